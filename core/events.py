@@ -1,0 +1,155 @@
+"""The inputs of ``step``: one event per call of the scheduler port, the clock, and the scan.
+
+Completion events of effects are in :mod:`kvstate.effects.completions`.
+Leases and handles are ints the facade assigns: a lease names a live request,
+a handle names caches in transit to or from the interpreter.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvstate.core.request import Request
+from kvstate.effects.effects import CheckpointMeta
+
+
+class Event:
+    """Base of every port event."""
+
+    __slots__ = ()
+
+
+@attrs.frozen
+class Admit(Event):
+    """Admit ``request`` under the KV budget as ``lease``."""
+
+    lease: int
+    request: Request
+
+
+@attrs.frozen
+class Fits(Event):
+    """Would ``request`` be admitted now?"""
+
+    request: Request
+
+
+@attrs.frozen
+class Acquire(Event):
+    """Give ``lease`` its state in ``namespace``, into caches ``handle``."""
+
+    lease: int
+    request: Request
+    namespace: str
+    handle: int
+
+
+@attrs.frozen
+class Keeps(Event):
+    """Would state ``request`` publishes be kept?"""
+
+    request: Request
+
+
+@attrs.frozen
+class Publish(Event):
+    """Offer caches ``handle`` covering ``tokens`` for reuse; the interpreter measured them."""
+
+    request: Request
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    handle: int
+    covered: int
+    nbytes: int
+    trimmable: bool
+
+
+@attrs.frozen
+class Checkpoint(Event):
+    """Save caches ``handle`` (covering ``tokens``: prompt plus generated) as a resumable point."""
+
+    lease: int
+    handle: int
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    covered: int
+    generated_tokens: int
+    pending_token: int | None
+    nbytes: int
+
+
+@attrs.frozen
+class Release(Event):
+    """``lease`` is done; ``completed`` says whether its generation finished."""
+
+    lease: int
+    completed: bool
+
+
+@attrs.frozen
+class Boundary(Event):
+    """An execution boundary; ``pressure``: live memory is over what optional state may use."""
+
+    pressure: bool = False
+
+
+@attrs.frozen
+class Tick(Event):
+    """The clock reads ``now`` (seconds, any fixed origin)."""
+
+    now: float
+
+
+@attrs.frozen
+class Prefetch(Event):
+    """Start reading the saved prefix of ``prompt`` in ``namespace`` into RAM."""
+
+    prompt: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    namespace: str
+
+
+@attrs.frozen
+class PeekPrefixLen(Event):
+    """How many tokens of ``prompt`` RAM could serve now; changes nothing."""
+
+    prompt: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    namespace: str
+
+
+@attrs.frozen
+class CloseSession(Event):
+    """Forget ``session_id``'s affinity; its state stays reusable."""
+
+    session_id: str
+
+
+@attrs.frozen
+class ReportQuery(Event):
+    """The counters."""
+
+
+@attrs.frozen
+class Flush(Event):
+    """Make kept state durable and say whether it is."""
+
+
+@attrs.frozen
+class Close(Event):
+    """Flush, then clear RAM state; idempotent."""
+
+
+@attrs.frozen
+class SavedRecord:
+    """One prefix saved state holds, as a scan of its headers found it."""
+
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    nbytes: int
+    trimmable: bool
+
+
+@attrs.frozen
+class Scanned(Event):
+    """At start: what saved state already holds (prefixes and durable checkpoints)."""
+
+    records: tuple[SavedRecord, ...] = ()
+    checkpoints: tuple[tuple[CheckpointMeta, int], ...] = ()

@@ -1,0 +1,96 @@
+"""The one protocol every eviction policy follows, and the lazy queue most of them share.
+
+A policy is a stateless strategy object; what it remembers lives in a frozen
+state value it returns from every call, so the core's state stays immutable.
+Keys are entry ids. ``evict`` picks one victim among the keys the core says
+may go (never one pinned by a running request or an in-flight effect) and
+forgets it; it returns None when nothing may go.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol
+
+import attrs
+import immutables
+from pyrsistent import PVector, pvector
+
+Evictable = Callable[[int], bool]
+
+
+class EvictionPolicy(Protocol):
+    """What the core asks of a policy. ``S`` is the policy's own frozen state."""
+
+    name: str
+
+    def empty(self, capacity: int) -> Any:
+        """State for a cache of ``capacity`` bytes holding nothing."""
+
+    def inserted(self, state: Any, key: int, size: int, cost: float, tag: int) -> Any:
+        """``key`` entered, holding ``size`` bytes that cost ``cost`` to recompute; ``tag`` names its content."""
+
+    def accessed(self, state: Any, key: int) -> Any:
+        """``key`` was used (a hit)."""
+
+    def removed(self, state: Any, key: int) -> Any:
+        """``key`` left by the core's own decision (demoted, rejected); forget it."""
+
+    def evict(self, state: Any, evictable: Evictable) -> tuple[Any, int | None]:
+        """``(state, victim)``: the key to evict among those ``evictable`` allows, forgotten; or None."""
+
+
+class UnknownPolicy(KeyError):
+    """A policy name that is not registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+EMPTY_MAP: immutables.Map = immutables.Map()
+
+
+@attrs.frozen(slots=True)
+class StampQueue:
+    """An append-only persistent queue of ``(key, stamp)`` with lazy deletion.
+
+    A slot is live while ``stamps[key] == stamp``; re-queueing a key gives it a
+    new stamp, so its old slot goes stale without being found and removed. The
+    queue is rebuilt from its live slots when stale ones outnumber them.
+    (pyrsistent's pvector is C and appends in ~0.1 µs; slicing it would copy,
+    so the front is an index, not a slice.)
+    """
+
+    slots: PVector = pvector()
+    head: int = 0
+
+    def push(self, key: int, stamp: int) -> "StampQueue":
+        return StampQueue(self.slots.append((key, stamp)), self.head)
+
+    def live(self, stamps: immutables.Map, start: int | None = None) -> Iterator[tuple[int, int, int]]:
+        """``(index, key, stamp)`` of live slots from ``start`` (default the front), oldest first."""
+        slots = self.slots
+        for i in range(self.head if start is None else start, len(slots)):
+            key, stamp = slots[i]
+            if stamps.get(key) == stamp:
+                yield i, key, stamp
+
+    def compacted(self, stamps: immutables.Map) -> "StampQueue":
+        """The same live slots, stale ones dropped, when they have piled up."""
+        if len(self.slots) - self.head <= 2 * len(stamps) + 64:
+            return self
+        return StampQueue(pvector((key, stamp) for _, key, stamp in self.live(stamps)), 0)
+
+    def advanced(self, stamps: immutables.Map) -> "StampQueue":
+        """The front moved past stale slots."""
+        head, slots = self.head, self.slots
+        while head < len(slots) and stamps.get(slots[head][0]) != slots[head][1]:
+            head += 1
+        return self if head == self.head else StampQueue(slots, head)
+
+
+def first_evictable(queue: StampQueue, stamps: immutables.Map, evictable: Evictable) -> int | None:
+    """The oldest live key of ``queue`` that ``evictable`` allows, or None."""
+    for _, key, _ in queue.live(stamps):
+        if evictable(key):
+            return key
+    return None

@@ -1,0 +1,49 @@
+"""LRU: evict the entry used least recently (mlx-lm's server and most prompt caches)."""
+
+from __future__ import annotations
+
+import attrs
+import immutables
+
+from kvstate.core.policies.base import EMPTY_MAP, Evictable, StampQueue, first_evictable
+
+
+@attrs.frozen(slots=True)
+class QueueState:
+    """Keys in order of their stamp (last use for LRU, insertion for FIFO)."""
+
+    queue: StampQueue
+    stamps: immutables.Map
+    clock: int
+
+
+class LRU:
+    """Least recently used first."""
+
+    name = "lru"
+    requeue_on_access = True
+
+    def empty(self, capacity: int) -> QueueState:
+        return QueueState(StampQueue(), EMPTY_MAP, 0)
+
+    def inserted(self, state: QueueState, key: int, size: int, cost: float, tag: int) -> QueueState:
+        clock = state.clock + 1
+        stamps = state.stamps.set(key, clock)
+        return QueueState(state.queue.push(key, clock).compacted(stamps), stamps, clock)
+
+    def accessed(self, state: QueueState, key: int) -> QueueState:
+        if not self.requeue_on_access or key not in state.stamps:
+            return state
+        return self.inserted(state, key, 0, 0.0, 0)
+
+    def removed(self, state: QueueState, key: int) -> QueueState:
+        if key not in state.stamps:
+            return state
+        stamps = state.stamps.delete(key)
+        return QueueState(state.queue.advanced(stamps), stamps, state.clock)
+
+    def evict(self, state: QueueState, evictable: Evictable) -> tuple[QueueState, int | None]:
+        victim = first_evictable(state.queue, state.stamps, evictable)
+        if victim is None:
+            return state, None
+        return self.removed(state, victim), victim

@@ -1,0 +1,79 @@
+"""What ``step`` answers: small values, one per kind of call."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from kvstate.effects.effects import CheckpointMeta
+
+
+class Admission(enum.Enum):
+    """The answer to ``admit``."""
+
+    #: Admitted: the request holds its projected bytes until release.
+    ADMITTED = "admitted"
+    #: Not now: admitted requests hold too much of the budget; try again after a release.
+    WAIT = "wait"
+
+
+class Source(enum.Enum):
+    """Where an acquired state came from."""
+
+    FRESH = "fresh"            #: new empty caches (a miss)
+    RAM = "ram"                #: a kept prefix in RAM
+    DISK = "disk"              #: saved state read from disk
+    CHECKPOINT = "checkpoint"  #: a resumed generation
+
+
+@attrs.frozen
+class Acquired:
+    """``acquire``'s decision: the caches in ``handle`` cover ``reused_tokens`` prompt tokens."""
+
+    lease: int
+    handle: int
+    reused_tokens: int
+    source: Source
+    resumed: CheckpointMeta | None = None
+    resumed_tokens: int = 0
+
+
+class NotKeptReason(enum.Enum):
+    """Why published state was not kept."""
+
+    TOO_LARGE = "too-large"   #: larger than the whole RAM capacity
+    NO_ROOM = "no-room"       #: every entry that could make room is pinned
+
+
+@attrs.frozen
+class Kept:
+    """Published state is kept as ``entry`` (``duplicate``: the same tokens were already kept)."""
+
+    entry: int
+    duplicate: bool = False
+
+
+@attrs.frozen
+class NotKept:
+    """Published state was dropped, and why."""
+
+    reason: NotKeptReason
+
+
+@attrs.frozen
+class FlushResult:
+    """Whether every kept prefix and checkpoint is durable, and what is still pending."""
+
+    durable: bool
+    pending_writes: int
+    pending_write_bytes: int
+    ram_only_entries: int
+
+
+@attrs.frozen
+class GaveBack:
+    """``boundary`` under pressure: bytes released (or being spilled to be released)."""
+
+    entries: int
+    nbytes: int

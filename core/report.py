@@ -1,0 +1,77 @@
+"""The service's report: one frozen record of what it holds and what it did."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvstate.core.state import IN_RAM, Residence, ServiceState
+
+
+@attrs.frozen
+class Report:
+    """Counters and sizes, as ``KvCacheService.report()`` returns them."""
+
+    #: Kept prefixes in RAM, their bytes, and the RAM capacity.
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    #: Acquires that reused a prefix (RAM or disk) and those that did not.
+    hits: int
+    misses: int
+    #: Acquires of a session that has kept state: reused its own, or not.
+    session_hits: int
+    session_misses: int
+    #: Prompt tokens that acquires did not have to compute.
+    prefill_tokens_saved: int
+    kept: int
+    duplicates: int
+    not_kept: int
+    evictions: int
+    demotions: int
+    #: Saved state on disk (0 and None capacity without a disk tier).
+    saved_entries: int
+    saved_bytes: int
+    saved_capacity_bytes: int | None
+    spills: int
+    restores: int
+    prefetches: int
+    disk_evictions: int
+    rejected_files: int
+    #: Writes in flight, writes not started because the queue was full, and writes that failed.
+    pending_writes: int
+    pending_write_bytes: int
+    dropped_writes: int
+    failed_writes: int
+    #: Generation checkpoints known, written, and resumed.
+    checkpoints: int
+    checkpoints_written: int
+    resumes: int
+    #: Live requests, and the projected bytes of the admitted ones against the budget.
+    live_requests: int
+    projected_bytes: int
+    budget_bytes: int | None
+
+
+def report(state: ServiceState) -> Report:
+    """The report of ``state``."""
+    c, config = state.counters, state.config
+    in_ram = saved = saved_bytes = 0
+    for entry in state.entries.values():
+        if entry.residence in IN_RAM:
+            in_ram += 1
+        if entry.residence in (Residence.BOTH, Residence.DISK, Residence.PREFETCHING):
+            saved += 1
+            saved_bytes += entry.nbytes
+    ram_bytes = sum(e.nbytes for e in state.entries.values() if e.residence in IN_RAM)
+    return Report(
+        entries=in_ram, bytes=ram_bytes, capacity_bytes=config.ram_capacity_bytes,
+        hits=c.hits, misses=c.misses, session_hits=c.session_hits, session_misses=c.session_misses,
+        prefill_tokens_saved=c.prefill_tokens_saved, kept=c.kept, duplicates=c.duplicates, not_kept=c.not_kept,
+        evictions=c.evictions, demotions=c.demotions,
+        saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
+        spills=c.spills, restores=c.restores, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
+        rejected_files=c.rejected_files,
+        pending_writes=state.pending_writes, pending_write_bytes=state.pending_write_bytes,
+        dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,
+        checkpoints=len(state.checkpoints), checkpoints_written=c.checkpoints_written, resumes=c.resumes,
+        live_requests=len(state.leases), projected_bytes=state.projected_bytes, budget_bytes=config.kv_budget_bytes)

@@ -1,0 +1,291 @@
+"""The service's state: one immutable value the transitions replace, never mutate.
+
+Entries are kept prefixes. Each has one residence, and moves between
+residences only along :data:`LIFECYCLE`, a table the tests walk
+exhaustively: RAM -> spilling -> RAM and disk -> disk only -> prefetching ->
+RAM and disk, with the failure moves back. Leases are the live requests;
+checkpoint records the generation checkpoints the service knows of.
+
+Big maps are ``immutables.Map`` (a C HAMT): they are updated on every call,
+where pyrsistent's pure-Python pmap costs 5-20x more (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import attrs
+import immutables
+
+from kvstate.core.errors import InvalidNamespace, InvalidRequest, UsageError
+from kvstate.core.policies import EvictionPolicy, policy
+from kvstate.core.policies.lru import LRU
+from kvstate.core.prefix_index import PrefixIndex
+from kvstate.core.request import Request
+from kvstate.models.spec import ModelSpec
+
+GiB = 1 << 30
+
+
+class InvalidConfig(UsageError, ValueError):
+    """A service configuration that cannot work (negative sizes, unknown policy)."""
+
+
+class Residence(enum.Enum):
+    """Where a kept prefix's state is."""
+
+    #: In RAM only: lost on a crash.
+    RAM = "ram"
+    #: In RAM, with a write to disk in flight: pinned until it completes.
+    SPILLING = "spilling"
+    #: In RAM and durable on disk.
+    BOTH = "both"
+    #: Durable on disk only.
+    DISK = "disk"
+    #: On disk, being read into RAM ahead of a request: pinned until it completes.
+    PREFETCHING = "prefetching"
+
+
+class Move(enum.Enum):
+    """What can happen to an entry."""
+
+    SPILL = "spill"                  #: a write to disk starts
+    WRITTEN = "written"              #: the write is durable
+    WRITE_FAILED = "write-failed"    #: the write failed
+    DROP_RAM = "drop-ram"            #: the RAM copy goes (evicted, demoted, closed)
+    DROP_DISK = "drop-disk"          #: the disk copy goes (evicted from disk, or rejected as corrupt)
+    PREFETCH = "prefetch"            #: a read into RAM starts
+    READ = "read"                    #: the read into RAM is done
+    READ_FAILED = "read-failed"      #: the read failed: the file is rejected
+    ADOPT = "adopt"                  #: a request published the same tokens again: RAM copy regained
+
+
+R = Residence
+#: ``(residence, move) -> residence``, None meaning the entry is gone. A pair not here is a bug.
+LIFECYCLE: dict[tuple[Residence, Move], Residence | None] = {
+    (R.RAM, Move.SPILL): R.SPILLING,
+    (R.RAM, Move.DROP_RAM): None,
+    (R.SPILLING, Move.WRITTEN): R.BOTH,
+    (R.SPILLING, Move.WRITE_FAILED): R.RAM,
+    (R.BOTH, Move.DROP_RAM): R.DISK,
+    (R.BOTH, Move.DROP_DISK): R.RAM,
+    (R.DISK, Move.DROP_DISK): None,
+    (R.DISK, Move.PREFETCH): R.PREFETCHING,
+    (R.DISK, Move.ADOPT): R.BOTH,
+    (R.PREFETCHING, Move.READ): R.BOTH,
+    (R.PREFETCHING, Move.READ_FAILED): None,
+}
+
+IN_RAM = frozenset({R.RAM, R.SPILLING, R.BOTH})
+ON_DISK = frozenset({R.BOTH, R.DISK, R.PREFETCHING})
+#: Residences with an effect in flight: never evicted from either tier.
+PINNED = frozenset({R.SPILLING, R.PREFETCHING})
+
+
+class IllegalMove(AssertionError):
+    """A transition tried a move the lifecycle table does not allow (a bug in the core)."""
+
+
+def moved(residence: Residence, move: Move) -> Residence | None:
+    """The residence after ``move``, or :class:`IllegalMove`."""
+    try:
+        return LIFECYCLE[(residence, move)]
+    except KeyError:
+        raise IllegalMove(f"entry in {residence.value} cannot {move.value}") from None
+
+
+class Phase(enum.Enum):
+    """The service's own lifecycle."""
+
+    OPEN = "open"          #: serving
+    CLOSING = "closing"    #: close() is flushing
+    CLOSED = "closed"      #: cleared; only report and close answer
+
+
+Retention = Callable[[str, tuple, Request], bool]
+
+
+@attrs.frozen
+class ServiceConfig:
+    """What the service is built with: the model, its tiers and its policies.
+
+    ``ram_capacity_bytes`` bounds kept prefixes in RAM; ``kv_budget_bytes``
+    bounds the projected bytes of admitted requests (None: unlimited);
+    ``disk_capacity_bytes`` enables the disk tier (None: none). ``retention``
+    marks entries that are evicted only after every other (True: protected),
+    for example system-prompt prefixes. ``demote_idle_after`` (seconds) moves
+    entries idle that long to disk on a clock tick.
+    """
+
+    model: ModelSpec
+    ram_capacity_bytes: int
+    kv_budget_bytes: int | None = None
+    disk_capacity_bytes: int | None = None
+    policy: str = "lru"
+    write_behind: bool = True
+    write_queue_bytes: int = 2 * GiB
+    demote_idle_after: float | None = None
+    checkpoint_every_tokens: int | None = None
+    identity: str = ""
+    retention: Retention | None = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        def size(name: str, value: Any, optional: bool) -> None:
+            if value is None and optional:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidConfig(f"{name} must be a non-negative int of bytes, got {value!r}")
+        size("ram_capacity_bytes", self.ram_capacity_bytes, False)
+        size("kv_budget_bytes", self.kv_budget_bytes, True)
+        size("disk_capacity_bytes", self.disk_capacity_bytes, True)
+        size("write_queue_bytes", self.write_queue_bytes, False)
+        try:
+            policy(self.policy)
+        except KeyError as error:
+            raise InvalidConfig(str(error)) from None
+        if self.demote_idle_after is not None and not self.demote_idle_after > 0:
+            raise InvalidConfig(f"demote_idle_after must be positive seconds or None, got {self.demote_idle_after!r}")
+        if self.checkpoint_every_tokens is not None and (
+                not isinstance(self.checkpoint_every_tokens, int) or self.checkpoint_every_tokens < 1):
+            raise InvalidConfig(f"checkpoint_every_tokens must be a positive int or None, "
+                                f"got {self.checkpoint_every_tokens!r}")
+
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_capacity_bytes is not None
+
+    @property
+    def checkpoints(self) -> bool:
+        return self.has_disk and self.checkpoint_every_tokens is not None
+
+
+@attrs.frozen(slots=True)
+class Entry:
+    """One kept prefix: what it covers, its bytes, and where it is."""
+
+    id: int
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    nbytes: int
+    trimmable: bool
+    residence: Residence
+    last_used: float
+    session: str | None
+    protected: bool
+    tag: int
+    #: Drop the RAM copy once the write in flight is durable (idle demotion, pressure).
+    demote: bool = False
+
+
+@attrs.frozen(slots=True)
+class Lease:
+    """A live request: its projected bytes, and where its ``acquire`` stands."""
+
+    request: Request
+    admitted_bytes: int = 0
+    admitted: bool = False
+    acquired: bool = False
+    namespace: str | None = None
+    #: The caches handle an acquire waits on (a restore or resume in flight).
+    pending_handle: int | None = None
+    #: The generation checkpoint key (namespace + identity + continuation key).
+    checkpoint_key: str | None = None
+
+
+@attrs.frozen(slots=True)
+class CheckpointRecord:
+    """What the service knows of one generation's checkpoints."""
+
+    namespace: str
+    durable_tokens: int = 0
+    pending: int = 0
+    pending_bytes: int = 0
+
+
+@attrs.frozen(slots=True)
+class Counters:
+    """Monotonic counts the report shows."""
+
+    hits: int = 0
+    misses: int = 0
+    session_hits: int = 0
+    session_misses: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    not_kept: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    spills: int = 0
+    restores: int = 0
+    prefetches: int = 0
+    disk_evictions: int = 0
+    rejected_files: int = 0
+    dropped_writes: int = 0
+    failed_writes: int = 0
+    checkpoints_written: int = 0
+    resumes: int = 0
+    prefill_tokens_saved: int = 0
+
+
+EMPTY: immutables.Map = immutables.Map()
+
+
+@attrs.frozen(slots=True)
+class ServiceState:
+    """Everything the service decides from, as one value."""
+
+    config: ServiceConfig
+    strategy: EvictionPolicy = attrs.field(eq=False)
+    disk_strategy: EvictionPolicy = attrs.field(eq=False)
+    leases: immutables.Map = EMPTY          # lease id -> Lease
+    projected_bytes: int = 0
+    entries: immutables.Map = EMPTY         # entry id -> Entry
+    ram: PrefixIndex = PrefixIndex()
+    disk: PrefixIndex = PrefixIndex()
+    ram_bytes: int = 0                      # RAM entries plus reads into RAM in flight
+    disk_bytes: int = 0                     # disk entries plus writes in flight
+    ram_policy: Any = None
+    disk_policy: Any = None
+    pending_writes: int = 0
+    pending_write_bytes: int = 0
+    reading: immutables.Map = EMPTY         # entry id -> restores in flight (pins its file)
+    acquiring: immutables.Map = EMPTY       # handle -> lease id, for acquires waiting on a read
+    checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
+    sessions: immutables.Map = EMPTY        # session id -> entry id it last kept
+    counters: Counters = Counters()
+    next_entry: int = 1
+    now: float = 0.0
+    phase: Phase = Phase.OPEN
+    close_result: Any = None
+
+
+def initial_state(config: ServiceConfig) -> ServiceState:
+    """The state of a service that holds nothing yet."""
+    strategy = policy(config.policy)
+    disk_strategy = LRU()
+    return ServiceState(
+        config=config, strategy=strategy, disk_strategy=disk_strategy,
+        ram_policy=strategy.empty(config.ram_capacity_bytes),
+        disk_policy=disk_strategy.empty(config.disk_capacity_bytes or 0))
+
+
+def check_namespace(namespace: object) -> str:
+    """A namespace is a non-empty string without path separators or NUL (it names directories)."""
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidNamespace(f"namespace must be a non-empty string, got {namespace!r}")
+    if any(c in namespace for c in "/\\\x00") or namespace in (".", ".."):
+        raise InvalidNamespace(f"namespace {namespace!r} holds a path separator, NUL or is a dot name; "
+                               f"use letters, digits, '-', '_', ':' or '.' inside a name")
+    return namespace
+
+
+def content_tag(namespace: str, tokens: tuple[int, ...]) -> int:
+    """A content identity for ghost lists; deterministic across processes (no str hash)."""
+    return hash((tuple(namespace.encode()), tokens))
+
+
+def request_check(request: object) -> Request:
+    if not isinstance(request, Request):
+        raise InvalidRequest(f"expected a kvstate.Request, got {type(request).__name__}")
+    return request

@@ -1,0 +1,24 @@
+"""The vocabulary between the core and the interpreters.
+
+Effects say what must happen to tensors and files; completion events say how
+it went. Both are small frozen values, one line of doc each.
+"""
+
+from kvstate.effects.effects import (
+    AdoptPublished, CloneEntry, DeleteCheckpoint, DeleteFile, DiskKey, DropEntry, DropPublished, Effect,
+    MakeFresh, NotifyKept, PrefetchEntry, RestoreEntry, ResumeCheckpoint, SpillEntry, Sync, WriteCheckpoint,
+    CheckpointMeta,
+)
+from kvstate.effects.completions import (
+    CheckpointFailed, CheckpointResumed, CheckpointWritten, Completion, FailureReason, PrefetchDone,
+    PrefetchFailed, RestoreDone, RestoreFailed, ResumeFailed, SpillDone, SpillFailed, Synced,
+)
+
+__all__ = [
+    "AdoptPublished", "CloneEntry", "DeleteCheckpoint", "DeleteFile", "DiskKey", "DropEntry", "DropPublished",
+    "Effect", "MakeFresh", "NotifyKept", "PrefetchEntry", "RestoreEntry", "ResumeCheckpoint", "SpillEntry",
+    "Sync", "WriteCheckpoint", "CheckpointMeta",
+    "CheckpointFailed", "CheckpointResumed", "CheckpointWritten", "Completion", "FailureReason",
+    "PrefetchDone", "PrefetchFailed", "RestoreDone", "RestoreFailed", "ResumeFailed", "SpillDone",
+    "SpillFailed", "Synced",
+]

@@ -1,0 +1,118 @@
+"""Completion events: how an effect went, fed back into the core."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from kvstate.effects.effects import CheckpointMeta
+
+
+class FailureReason(enum.Enum):
+    """Why storage could not do what an effect asked."""
+
+    #: The file is not there (deleted, never durable).
+    MISSING = "missing"
+    #: Truncated, a bad header, or a content hash that does not match.
+    CORRUPT = "corrupt"
+    #: Saved for another model, tokenizer, config or format version.
+    IDENTITY_MISMATCH = "identity-mismatch"
+    #: The device is full or the budget has no room.
+    NO_SPACE = "no-space"
+    #: Any other I/O failure.
+    IO_ERROR = "io-error"
+    #: Checkpoint metadata that does not agree with the request.
+    INCONSISTENT = "inconsistent"
+
+
+class Completion:
+    """Base of every completion event."""
+
+    __slots__ = ()
+
+
+@attrs.frozen
+class SpillDone(Completion):
+    """``entry`` is durable on disk."""
+
+    entry: int
+
+
+@attrs.frozen
+class SpillFailed(Completion):
+    """Writing ``entry`` failed; its RAM copy is all there is."""
+
+    entry: int
+    reason: FailureReason
+
+
+@attrs.frozen
+class RestoreDone(Completion):
+    """Saved ``entry`` was read into ``handle``."""
+
+    entry: int
+    handle: int
+
+
+@attrs.frozen
+class RestoreFailed(Completion):
+    """Saved ``entry`` could not be read into ``handle`` (and is rejected)."""
+
+    entry: int
+    handle: int
+    reason: FailureReason
+
+
+@attrs.frozen
+class PrefetchDone(Completion):
+    """Saved ``entry`` is now in RAM too."""
+
+    entry: int
+
+
+@attrs.frozen
+class PrefetchFailed(Completion):
+    """Saved ``entry`` could not be read ahead (and is rejected)."""
+
+    entry: int
+    reason: FailureReason
+
+
+@attrs.frozen
+class CheckpointWritten(Completion):
+    """The checkpoint of ``key`` covering ``tokens`` tokens is durable."""
+
+    key: str
+    tokens: int
+
+
+@attrs.frozen
+class CheckpointFailed(Completion):
+    """Writing the checkpoint of ``key`` failed."""
+
+    key: str
+    reason: FailureReason
+
+
+@attrs.frozen
+class CheckpointResumed(Completion):
+    """Checkpoint ``meta`` was read into ``handle``, covering ``tokens`` tokens."""
+
+    handle: int
+    meta: CheckpointMeta
+    tokens: int
+
+
+@attrs.frozen
+class ResumeFailed(Completion):
+    """Checkpoint ``key`` could not be read into ``handle``."""
+
+    key: str
+    handle: int
+    reason: FailureReason
+
+
+@attrs.frozen
+class Synced(Completion):
+    """Every write started before the :class:`~kvstate.effects.Sync` has completed or failed."""

@@ -1,0 +1,97 @@
+"""The ``kvstate`` command."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Sequence
+
+import attrs
+
+from kvstate.core.policies import POLICIES
+from kvstate.models.catalogue import CATALOGUE
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``'384GiB'``, ``'2T'``, ``'500MB'`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 64GiB, 2T, 500MB or a number of bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _version() -> str:
+    from kvstate import __version__
+    return __version__
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvstate.interpreters.replay import read_mooncake, replay
+    from kvstate.interpreters.service import KvCacheService
+    from kvstate.interpreters.traces import bundled
+
+    path = args.trace or str(bundled())
+    if args.trace is None:
+        print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
+    service = KvCacheService.simulated(args.model, ram_bytes=args.ram, disk_bytes=args.disk,
+                                       kv_budget_bytes=args.budget, policy=args.policy)
+
+    def progress(done: int) -> None:
+        if done % 1000 == 0:
+            print(f"  ... {done} requests", file=sys.stderr, flush=True)
+
+    result = replay(read_mooncake(path), service, limit=args.limit, progress=progress)
+    service.close()
+    print(f"model {args.model}, policy {args.policy}, RAM {args.ram / (1 << 30):.1f} GiB"
+          + (f", disk {args.disk / (1 << 30):.1f} GiB" if args.disk is not None else ", no disk tier"))
+    print(f"requests            {result.requests} ({result.refused} refused)")
+    print(f"request hit rate    {result.request_hit_rate:.4f}")
+    print(f"token hit ratio     {result.token_hit_ratio:.4f}  ({result.reused_tokens} of {result.prompt_tokens} "
+          f"prompt tokens reused)")
+    print(f"prefill seconds     {result.prefill_seconds:.1f} estimated, {result.prefill_seconds_saved:.1f} saved")
+    print(f"replay speed        {result.requests / result.wall_seconds:.0f} requests/s through the service")
+    print("report:")
+    for field in attrs.fields(type(result.report)):
+        print(f"  {field.name:24} {getattr(result.report, field.name)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstate", description="kvstate: the KV-cache state service for LLM inference on MLX.")
+    parser.add_argument("--version", action="version", version=f"kvstate {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    replay = commands.add_parser(
+        "replay", help="replay a Mooncake trace through the service on the simulator and print the report",
+        description="Replay a Mooncake JSONL trace through the service facade on the simulator interpreter: "
+                    "every request is admitted, acquires its longest reusable prefix, prefills the rest, "
+                    "publishes its prompt state and is released.")
+    replay.add_argument("trace", nargs="?", help="Mooncake JSONL trace (default: the bundled conversation trace)")
+    replay.add_argument("--model", default="llama-3.1-8b", choices=sorted(CATALOGUE),
+                        help="model geometry for bytes (default llama-3.1-8b)")
+    replay.add_argument("--ram", type=parse_bytes, default=parse_bytes("384GiB"),
+                        help="RAM for kept prefixes (default 384GiB, about 3M tokens of llama-3.1-8b)")
+    replay.add_argument("--disk", type=parse_bytes, default=None, help="disk tier capacity (default: none)")
+    replay.add_argument("--budget", type=parse_bytes, default=None, help="KV budget for admitted requests")
+    replay.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
+    replay.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    replay.set_defaults(run=_replay)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print("\nname a command, for example: kvstate replay", file=sys.stderr)
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

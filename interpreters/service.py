@@ -1,0 +1,252 @@
+"""The service facade: the scheduler port over the pure core and one interpreter.
+
+It holds the current state, turns each call into an event, runs
+:func:`kvstate.core.step`, hands the effects to its interpreter and feeds the
+completion events back until the call's reply is known. One lock makes it
+thread-safe. Requests are named by identity: the facade gives each request
+object a lease id the first time it sees it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import deque
+from typing import Any, Callable, Iterable
+
+import attrs
+
+from kvstate.core import events as ev
+from kvstate.core.errors import UnknownRequest
+from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, Source
+from kvstate.core.report import Report
+from kvstate.core.request import Request, as_tokens
+from kvstate.core.state import ServiceConfig, ServiceState, check_namespace, initial_state, request_check
+from kvstate.core.transitions import step
+from kvstate.effects.effects import CheckpointMeta
+from kvstate.models.catalogue import model_spec
+from kvstate.models.spec import ModelSpec
+
+DEFAULT_NAMESPACE = "default"
+
+
+@attrs.frozen(eq=False)
+class AcquiredState:
+    """A request's state, now owned by the caller.
+
+    ``caches`` go straight into the generation loop; ``reused_tokens`` prompt
+    tokens are already covered (0 is a miss), so prefill starts there.
+    ``resumed`` is set for a resumed generation: ``caches`` then cover
+    ``resumed_tokens`` tokens (prompt plus generated).
+    """
+
+    caches: Any
+    reused_tokens: int
+    source: Source
+    resumed: CheckpointMeta | None = None
+    resumed_tokens: int = 0
+
+
+class KvCacheService:
+    """The scheduler's port to the KV-cache state service (DESIGN.md's table)."""
+
+    def __init__(self, config: ServiceConfig, interpreter: Any, *,
+                 pressure: Callable[[int], bool] | None = None):
+        self._state: ServiceState = initial_state(config)
+        self._interpreter = interpreter
+        self._pressure = pressure
+        self._lock = threading.RLock()
+        self._leases: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        self._lease_ids = itertools.count(1)
+        self._handles = itertools.count(1)
+        self._run(interpreter.scan())
+
+    @classmethod
+    def simulated(cls, model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, kv_budget_bytes: int | None = None,
+                  disk_bytes: int | None = None, policy: str = "lru", pressure: Callable[[int], bool] | None = None,
+                  interpreter_options: dict | None = None, **options: Any) -> "KvCacheService":
+        """A service on the simulator for a catalogue model (or a :class:`ModelSpec`).
+
+        ``ram_bytes`` bounds kept prefixes, ``kv_budget_bytes`` admitted requests,
+        ``disk_bytes`` the simulated disk tier (None: none). Further ``options``
+        are :class:`~kvstate.core.state.ServiceConfig` fields; ``interpreter_options``
+        go to :class:`~kvstate.interpreters.simulator.SimulatorInterpreter`
+        (``disk``, ``faults``, ``cost``, ``deferred_writes``, ``identity``).
+        """
+        from kvstate.interpreters.simulator import SimulatorInterpreter
+
+        spec = model_spec(model) if isinstance(model, str) else model
+        interpreter_options = dict(interpreter_options or {})
+        identity = options.setdefault("identity", interpreter_options.setdefault("identity", f"sim:{spec.name}"))
+        interpreter_options["identity"] = identity
+        config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
+                               disk_capacity_bytes=disk_bytes, policy=policy, **options)
+        return cls(config, SimulatorInterpreter(spec, **interpreter_options), pressure=pressure)
+
+    # ------------------------------------------------------------ plumbing
+
+    @property
+    def state(self) -> ServiceState:
+        """The current state (immutable: safe to keep and compare)."""
+        return self._state
+
+    @property
+    def interpreter(self) -> Any:
+        return self._interpreter
+
+    @property
+    def config(self) -> ServiceConfig:
+        return self._state.config
+
+    def _run(self, event: Any) -> Any:
+        """Step ``event``, carry out its effects and their completions' effects; the call's reply."""
+        with self._lock:
+            result = step(self._state, event)
+            self._state = result.state
+            reply = result.reply
+            queue = deque(result.effects)
+            while queue:
+                for completion in self._interpreter.perform(queue.popleft()):
+                    follow = step(self._state, completion)
+                    self._state = follow.state
+                    queue.extend(follow.effects)
+                    if follow.reply is not None:
+                        reply = follow.reply
+            return reply
+
+    def complete(self, completions: Iterable[Any]) -> None:
+        """Feed completion events that arrived later (a background writer's)."""
+        with self._lock:
+            for completion in completions:
+                self._run(completion)
+
+    def _lease(self, request: Request, create: bool) -> int:
+        request = request_check(request)
+        with self._lock:
+            lease = self._leases.get(request)
+            if lease is None:
+                if not create:
+                    raise UnknownRequest("this request was never admitted or acquired by this service")
+                lease = self._leases[request] = next(self._lease_ids)
+            return lease
+
+    # ------------------------------------------------------------ the port
+
+    def admit(self, request: Request) -> bool:
+        """Admit under the KV budget: True holds the request's projected bytes until release; False: wait.
+
+        Raises :class:`~kvstate.ContextLimitExceeded` or :class:`~kvstate.OverBudget`
+        for a request that can never be admitted.
+        """
+        with self._lock:
+            return self._run(ev.Admit(self._lease(request, create=True), request)) is Admission.ADMITTED
+
+    def fits(self, request: Request) -> bool:
+        """Whether ``admit`` would admit ``request`` now; holds nothing."""
+        return self._run(ev.Fits(request))
+
+    def acquire(self, request: Request, namespace: str = DEFAULT_NAMESPACE) -> AcquiredState:
+        """The request's state: resumed generation, else the longest reusable prefix, else fresh caches."""
+        with self._lock:
+            handle = next(self._handles)
+            reply: Acquired = self._run(ev.Acquire(self._lease(request, create=True), request, namespace, handle))
+            caches = self._interpreter.take(reply.handle)
+            return AcquiredState(caches, reply.reused_tokens, reply.source, reply.resumed, reply.resumed_tokens)
+
+    def keeps(self, request: Request) -> bool:
+        """Whether state ``request`` publishes may be kept (skip copying it otherwise)."""
+        return self._run(ev.Keeps(request))
+
+    def publish(self, request: Request, namespace: str, tokens: Iterable[int], caches: Any) -> bool:
+        """Offer ``caches`` covering ``tokens`` for reuse; True if kept. On an error the caller keeps them."""
+        request = request_check(request)
+        tokens = as_tokens(tokens, "published tokens")
+        check_namespace(namespace)
+        with self._lock:
+            handle = next(self._handles)
+            facts = self._interpreter.stage(handle, caches)
+            try:
+                reply = self._run(ev.Publish(request, namespace, tokens, handle, facts.covered, facts.nbytes,
+                                             facts.trimmable))
+            except BaseException:
+                self._interpreter.unstage(handle)
+                raise
+            return isinstance(reply, Kept)
+
+    def checkpoint(self, request: Request, caches: Any, tokens: Iterable[int], generated_tokens: int,
+                   pending_token: int | None = None) -> bool:
+        """Save a resumable point of a replayable generation; True if the write was queued.
+
+        ``tokens`` are the prompt plus the generated tokens ``caches`` cover;
+        ``pending_token`` is the sampled token not yet fed to the model.
+        """
+        tokens = as_tokens(tokens, "checkpoint tokens")
+        with self._lock:
+            lease = self._lease(request, create=False)
+            handle = next(self._handles)
+            facts = self._interpreter.stage(handle, caches)
+            try:
+                return self._run(ev.Checkpoint(lease, handle, tokens, facts.covered, generated_tokens,
+                                               pending_token, facts.nbytes))
+            except BaseException:
+                self._interpreter.unstage(handle)
+                raise
+
+    def release(self, request: Request, completed: bool = True) -> None:
+        """The request is done: its bytes return to the budget; a completed one's checkpoints go.
+
+        A second release of the same request does nothing; a request never seen
+        raises :class:`~kvstate.UnknownRequest`.
+        """
+        with self._lock:
+            self._run(ev.Release(self._lease(request, create=False), completed))
+
+    def boundary(self) -> None:
+        """An execution boundary: collect finished writes, advance the clock, give back RAM under pressure."""
+        with self._lock:
+            poll = getattr(self._interpreter, "poll", None)
+            if poll is not None:
+                self.complete(poll())
+            self._run(ev.Tick(self._interpreter.now))
+            while self._pressure is not None and self._pressure(self._held_bytes()):
+                if self._run(ev.Boundary(pressure=True)).entries == 0:
+                    break
+
+    def _held_bytes(self) -> int:
+        state = self._state
+        return max(state.ram_bytes, state.pending_write_bytes)
+
+    def tick(self, now: float) -> None:
+        """The clock reads ``now`` seconds: entries idle past the demotion threshold move to disk."""
+        self._run(ev.Tick(now))
+
+    def prefetch(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> bool:
+        """Start reading the saved prefix of ``prompt`` into RAM; True if a read started."""
+        return self._run(ev.Prefetch(as_tokens(prompt), namespace))
+
+    def peek_prefix_len(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> int:
+        """Prompt tokens RAM could serve now; takes nothing."""
+        return self._run(ev.PeekPrefixLen(as_tokens(prompt), namespace))
+
+    def close_session(self, session_id: str) -> None:
+        """Drop a session's affinity; its state stays reusable."""
+        self._run(ev.CloseSession(session_id))
+
+    def report(self) -> Report:
+        """The counters, as one frozen record."""
+        return self._run(ev.ReportQuery())
+
+    def flush(self) -> FlushResult:
+        """Make kept state durable; ``durable`` says whether every kept prefix and checkpoint now is."""
+        return self._run(ev.Flush())
+
+    def close(self) -> FlushResult:
+        """Flush, then clear RAM state; a second close returns the first one's result."""
+        return self._run(ev.Close())
+
+    def __enter__(self) -> "KvCacheService":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

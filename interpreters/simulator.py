@@ -1,0 +1,333 @@
+"""The simulator: carries out every effect in memory, on a virtual clock, with faults on demand.
+
+Content is the token list a state covers (:class:`SimCaches`), bytes come from
+the model's projection, disk is a dictionary of :class:`SimFile` that outlives
+a service (pass the same :class:`SimDisk` to the next one to restart after a
+crash). A cost model turns prefill tokens and bytes read and written into
+estimated seconds. Faults: fail the k-th write, crash before the k-th effect,
+corrupt or swap a saved file; writes may complete later (``deferred_writes``)
+so pinning and durability are exercised as with a real background writer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterable
+
+import attrs
+
+from kvstate.core.errors import InvalidRequest, KvStateError
+from kvstate.core.events import SavedRecord, Scanned
+from kvstate.effects import completions as done
+from kvstate.effects import effects as fx
+from kvstate.models.spec import ModelSpec
+
+Reason = done.FailureReason
+
+
+class SimulatedCrash(KvStateError):
+    """The fault plan crashed the service here; what the simulated disk holds survives."""
+
+
+class InterpreterError(KvStateError, AssertionError):
+    """An effect the interpreter cannot carry out: the core asked for something impossible (a bug)."""
+
+
+@attrs.frozen(eq=False)
+class SimCaches:
+    """Simulated caches: the tokens they cover are their content; bytes follow from the model."""
+
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    model: ModelSpec = attrs.field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.model.bytes_for(len(self.tokens))
+
+    @property
+    def trimmable(self) -> bool:
+        return self.model.trimmable_at(len(self.tokens))
+
+    def extended(self, tokens: Iterable[int]) -> "SimCaches":
+        """These caches after the model ran over ``tokens`` (prefill or decode)."""
+        return SimCaches(self.tokens + tuple(tokens), self.model)
+
+    def trimmed(self, length: int) -> "SimCaches":
+        if length != len(self.tokens) and not self.trimmable:
+            raise InterpreterError(f"non-trimmable caches of {len(self.tokens)} tokens cannot serve {length}")
+        return SimCaches(self.tokens[:length], self.model)
+
+
+@attrs.frozen
+class CacheFacts:
+    """What an interpreter measures of caches a caller hands in."""
+
+    covered: int
+    nbytes: int
+    trimmable: bool
+
+
+@attrs.frozen
+class CostModel:
+    """Estimated seconds: prefill throughput and disk bandwidths."""
+
+    prefill_tokens_per_second: float = 4000.0
+    restore_bytes_per_second: float = 3e9
+    write_bytes_per_second: float = 1.5e9
+
+
+@attrs.define
+class SimFile:
+    """One saved state on the simulated disk."""
+
+    identity: str
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    nbytes: int
+    trimmable: bool
+    content: tuple[int, ...] = attrs.field(repr=False)
+    corrupt: bool = False
+
+
+@attrs.define
+class SimDisk:
+    """The simulated disk: saved prefixes, checkpoints, and files moved aside as rejected."""
+
+    files: dict[fx.DiskKey, SimFile] = attrs.Factory(dict)
+    checkpoints: dict[str, tuple[fx.CheckpointMeta, tuple[int, ...], str]] = attrs.Factory(dict)
+    rejected: list[tuple[fx.DiskKey | str, Reason]] = attrs.Factory(list)
+
+    def corrupt(self, key: fx.DiskKey) -> None:
+        """Flip bits in a saved file: its next read fails its content hash."""
+        self.files[key].corrupt = True
+
+
+@attrs.define
+class FaultPlan:
+    """Faults to inject: write numbers (1-based, spills and checkpoints) that fail, and a crash point."""
+
+    fail_writes: set[int] = attrs.Factory(set)
+    fail_reason: Reason = Reason.NO_SPACE
+    crash_before_effect: int | None = None
+
+
+@attrs.define
+class SimStats:
+    """What the simulator carried out and the seconds the cost model estimates for it."""
+
+    effects: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+class SimulatorInterpreter:
+    """Carries out effects in memory; the service facade drives it."""
+
+    def __init__(self, model: ModelSpec, *, identity: str = "sim", cost: CostModel | None = None,
+                 disk: SimDisk | None = None, faults: FaultPlan | None = None, deferred_writes: bool = False):
+        self.model = model
+        self.identity = identity
+        self.cost = cost or CostModel()
+        self.disk = disk if disk is not None else SimDisk()
+        self.faults = faults or FaultPlan()
+        self.deferred_writes = deferred_writes
+        self.stats = SimStats()
+        self.now = 0.0
+        self.observers: list[Callable[[tuple[int, ...], str], None]] = []
+        self._ram: dict[int, SimCaches] = {}
+        self._handles: dict[int, SimCaches] = {}
+        self._pending: deque[tuple[fx.Effect, SimCaches]] = deque()
+        self._performers: dict[type, Callable[[fx.Effect], list]] = {
+            fx.MakeFresh: self._make_fresh,
+            fx.CloneEntry: self._clone_entry,
+            fx.AdoptPublished: self._adopt_published,
+            fx.DropPublished: self._drop_published,
+            fx.DropEntry: self._drop_entry,
+            fx.SpillEntry: self._write,
+            fx.RestoreEntry: self._restore_entry,
+            fx.PrefetchEntry: self._prefetch_entry,
+            fx.DeleteFile: self._delete_file,
+            fx.NotifyKept: self._notify_kept,
+            fx.WriteCheckpoint: self._write,
+            fx.DeleteCheckpoint: self._delete_checkpoint,
+            fx.ResumeCheckpoint: self._resume_checkpoint,
+            fx.Sync: self._sync,
+        }
+
+    # ------------------------------------------------------------ the facade's side
+
+    def fresh(self) -> SimCaches:
+        """Empty caches of the model."""
+        return SimCaches((), self.model)
+
+    def stage(self, handle: int, caches: object) -> CacheFacts:
+        """Hold caches a caller hands in under ``handle`` and measure them."""
+        if not isinstance(caches, SimCaches) or caches.model != self.model:
+            raise InvalidRequest(f"the simulator takes SimCaches of {self.model.name}, got {type(caches).__name__}")
+        self._handles[handle] = caches
+        return CacheFacts(len(caches.tokens), caches.nbytes, caches.trimmable)
+
+    def unstage(self, handle: int) -> object:
+        """Give back caches staged under ``handle`` (the call that staged them failed)."""
+        return self._handles.pop(handle, None)
+
+    def take(self, handle: int) -> SimCaches:
+        """Hand the caches under ``handle`` to the caller."""
+        return self._handles.pop(handle)
+
+    def scan(self) -> Scanned:
+        """What the disk holds for this identity; foreign and corrupt files are moved aside."""
+        records = []
+        for key, file in list(self.disk.files.items()):
+            if file.identity != self.identity or file.corrupt:
+                self._move_aside(key, Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT)
+                continue
+            records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable))
+        checkpoints = tuple((meta, len(tokens)) for meta, tokens, identity in self.disk.checkpoints.values()
+                            if identity == self.identity)
+        return Scanned(tuple(records), checkpoints)
+
+    def perform(self, effect: fx.Effect) -> list:
+        """Carry out ``effect``; the completion events it produced (none for the quiet ones)."""
+        self.stats.effects += 1
+        crash = self.faults.crash_before_effect
+        if crash is not None and self.stats.effects >= crash:
+            self._pending.clear()  # writes in flight are lost
+            raise SimulatedCrash(f"crashed before effect {self.stats.effects}: {effect!r}")
+        performer = self._performers.get(type(effect))
+        if performer is None:
+            raise InterpreterError(f"the simulator has no performer for {type(effect).__name__}")
+        return performer(effect)
+
+    def poll(self, limit: int | None = None) -> list:
+        """Complete up to ``limit`` deferred writes (all by default), oldest first."""
+        out: list = []
+        while self._pending and (limit is None or len(out) < limit):
+            effect, caches = self._pending.popleft()
+            out.append(self._complete_write(effect, caches))
+        return out
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------ the scheduler's side
+
+    def prefill(self, caches: SimCaches, tokens: Iterable[int]) -> SimCaches:
+        """Run the simulated model over ``tokens``: extended caches, time charged to the clock."""
+        tokens = tuple(tokens)
+        seconds = len(tokens) / self.cost.prefill_tokens_per_second
+        self.stats.prefill_tokens += len(tokens)
+        self.stats.prefill_seconds += seconds
+        self.now += seconds
+        return caches.extended(tokens)
+
+    def ram_content(self, entry: int) -> SimCaches:
+        """The caches kept as RAM ``entry`` (for checks)."""
+        return self._ram[entry]
+
+    # ------------------------------------------------------------ performers
+
+    def _make_fresh(self, e: fx.MakeFresh) -> list:
+        self._handles[e.handle] = self.fresh()
+        return []
+
+    def _clone_entry(self, e: fx.CloneEntry) -> list:
+        self._handles[e.handle] = self._ram[e.entry].trimmed(e.tokens)
+        return []
+
+    def _adopt_published(self, e: fx.AdoptPublished) -> list:
+        self._ram[e.entry] = self._handles.pop(e.handle)
+        return []
+
+    def _drop_published(self, e: fx.DropPublished) -> list:
+        self._handles.pop(e.handle, None)
+        return []
+
+    def _drop_entry(self, e: fx.DropEntry) -> list:
+        if self._ram.pop(e.entry, None) is None:
+            raise InterpreterError(f"drop of entry {e.entry}, which holds nothing in RAM")
+        return []
+
+    def _write(self, e: fx.SpillEntry | fx.WriteCheckpoint) -> list:
+        caches = self._ram[e.entry] if isinstance(e, fx.SpillEntry) else self._handles.pop(e.handle)
+        if self.deferred_writes:
+            self._pending.append((e, caches))
+            return []
+        return [self._complete_write(e, caches)]
+
+    def _complete_write(self, e: fx.SpillEntry | fx.WriteCheckpoint, caches: SimCaches):
+        self.stats.writes += 1
+        if self.stats.writes in self.faults.fail_writes:
+            reason = self.faults.fail_reason
+            return (done.SpillFailed(e.entry, reason) if isinstance(e, fx.SpillEntry)
+                    else done.CheckpointFailed(e.meta.key, reason))
+        self.stats.bytes_written += e.nbytes
+        self.stats.write_seconds += e.nbytes / self.cost.write_bytes_per_second
+        if isinstance(e, fx.SpillEntry):
+            self.disk.files[e.key] = SimFile(self.identity, e.key.namespace, e.key.tokens, e.nbytes, e.trimmable,
+                                             caches.tokens)
+            return done.SpillDone(e.entry)
+        self.disk.checkpoints[e.meta.key] = (e.meta, caches.tokens, self.identity)
+        return done.CheckpointWritten(e.meta.key, len(caches.tokens))
+
+    def _read(self, key: fx.DiskKey) -> SimFile | Reason:
+        file = self.disk.files.get(key)
+        if file is None:
+            return Reason.MISSING
+        if file.identity != self.identity or file.corrupt:
+            reason = Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT
+            self._move_aside(key, reason)
+            return reason
+        self.stats.bytes_read += file.nbytes
+        self.stats.restore_seconds += file.nbytes / self.cost.restore_bytes_per_second
+        return file
+
+    def _move_aside(self, key: fx.DiskKey, reason: Reason) -> None:
+        self.disk.files.pop(key, None)
+        self.disk.rejected.append((key, reason))
+
+    def _restore_entry(self, e: fx.RestoreEntry) -> list:
+        file = self._read(e.key)
+        if isinstance(file, Reason):
+            return [done.RestoreFailed(e.entry, e.handle, file)]
+        self._handles[e.handle] = SimCaches(file.content, self.model).trimmed(e.tokens)
+        return [done.RestoreDone(e.entry, e.handle)]
+
+    def _prefetch_entry(self, e: fx.PrefetchEntry) -> list:
+        file = self._read(e.key)
+        if isinstance(file, Reason):
+            return [done.PrefetchFailed(e.entry, file)]
+        self._ram[e.entry] = SimCaches(file.content, self.model)
+        return [done.PrefetchDone(e.entry)]
+
+    def _delete_file(self, e: fx.DeleteFile) -> list:
+        self.disk.files.pop(e.key, None)
+        return []
+
+    def _notify_kept(self, e: fx.NotifyKept) -> list:
+        for observe in self.observers:
+            observe(e.key.tokens, e.key.namespace)
+        return []
+
+    def _delete_checkpoint(self, e: fx.DeleteCheckpoint) -> list:
+        self._pending = deque((p, c) for p, c in self._pending
+                              if not (isinstance(p, fx.WriteCheckpoint) and p.meta.key == e.key))
+        self.disk.checkpoints.pop(e.key, None)
+        return []
+
+    def _resume_checkpoint(self, e: fx.ResumeCheckpoint) -> list:
+        saved = self.disk.checkpoints.get(e.key)
+        if saved is None or saved[2] != self.identity:
+            return [done.ResumeFailed(e.key, e.handle, Reason.MISSING)]
+        meta, tokens, _ = saved
+        self._handles[e.handle] = SimCaches(tokens, self.model)
+        return [done.CheckpointResumed(e.handle, meta, len(tokens))]
+
+    def _sync(self, e: fx.Sync) -> list:
+        return self.poll() + [done.Synced()]
