@@ -153,3 +153,5 @@ class Scanned(Event):
 
     records: tuple[SavedRecord, ...] = ()
     checkpoints: tuple[tuple[CheckpointMeta, int], ...] = ()
+    #: Files the scan rejected (foreign, corrupt) and moved aside.
+    rejected: int = 0

@@ -38,7 +38,7 @@ class Node:
 _EMPTY_ROOT = Node((), _NO_CHILDREN, None, False, 0, 0)
 
 
-def _common(label: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
+def common_prefix(label: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
     """Length of the common prefix of ``label`` and ``tokens[start:]`` (slice compares, then bisection)."""
     n = min(len(label), len(tokens) - start)
     if tokens[start:start + n] == label[:n]:
@@ -86,7 +86,7 @@ def _insert(node: Node, tokens: tuple[int, ...], depth: int, entry: int, trimmab
     if child is None:
         leaf = Node(tokens[depth:], _NO_CHILDREN, entry, trimmable, int(trimmable), 1)
         return _with_child(node, None, leaf, first)
-    m = _common(child.label, tokens, depth)
+    m = common_prefix(child.label, tokens, depth)
     if m < len(child.label):
         tail = Node(child.label[m:], child.children, child.entry, child.trimmable, child.trim_below, child.count)
         mid = Node(child.label[:m], immutables.Map({tail.label[0]: tail}), None, False,
@@ -103,7 +103,7 @@ def _remove(node: Node, tokens: tuple[int, ...], depth: int) -> Node | None:
         return _compact(bare) if node.label else bare
     first = tokens[depth]
     child = node.children.get(first)
-    if child is None or _common(child.label, tokens, depth) < len(child.label):
+    if child is None or common_prefix(child.label, tokens, depth) < len(child.label):
         raise KeyError(tokens)
     return _with_child(node, child, _remove(child, tokens, depth + len(child.label)), first)
 
@@ -130,7 +130,7 @@ def _longest(root: Node, prompt: tuple[int, ...]) -> tuple[int, int | None]:
         child = node.children.get(prompt[depth])
         if child is None:
             break
-        m = _common(child.label, prompt, depth)
+        m = common_prefix(child.label, prompt, depth)
         if m < len(child.label):
             if child.trim_below and min(depth + m, limit) > best:
                 trim_node, trim_len = child, min(depth + m, limit)

@@ -29,6 +29,7 @@ from kvstate.core.errors import (
     RequestKeepsNoState, ServiceClosed, TokensDoNotMatchCaches,
 )
 from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, Source
+from kvstate.core.prefix_index import common_prefix
 from kvstate.core.report import report
 from kvstate.core.request import Request
 from kvstate.core.state import (
@@ -297,6 +298,14 @@ def _plan_acquire(state: ServiceState, lease_id: int, handle: int, out: list) ->
         return _finish_acquire(state, lease_id, handle, 0, Source.FRESH, None, out, count=False)
     ram_len, ram_entry = state.ram.longest(namespace, request.prompt)
     disk_len, disk_entry = (state.disk.longest(namespace, request.prompt) if state.config.has_disk else (0, None))
+    own = _session_entry(state, request, namespace)
+    if own is not None and max(ram_len, disk_len) > 0 and usable_length(own, request.prompt) >= max(ram_len, disk_len):
+        # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
+        if own.residence in IN_RAM:
+            ram_len, ram_entry = max(ram_len, disk_len), own.id
+            disk_len = 0
+        elif own.residence in (R.DISK, R.PREFETCHING):
+            disk_len, disk_entry, ram_len = max(ram_len, disk_len), own.id, 0
     if disk_len > ram_len:
         entry = state.entries[disk_entry]
         out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))
@@ -308,6 +317,23 @@ def _plan_acquire(state: ServiceState, lease_id: int, handle: int, out: list) ->
         return _finish_acquire(_touch(state, entry), lease_id, handle, ram_len, Source.RAM, entry.id, out)
     out.append(fx.MakeFresh(handle))
     return _finish_acquire(state, lease_id, handle, 0, Source.FRESH, None, out)
+
+
+def usable_length(entry: Entry, prompt: tuple[int, ...]) -> int:
+    """Prompt tokens ``entry`` can serve (the reuse rules, for one entry)."""
+    limit = len(prompt) - 1
+    if entry.trimmable:
+        return min(common_prefix(entry.tokens, prompt, 0), limit)
+    n = len(entry.tokens)
+    return n if n <= limit and prompt[:n] == entry.tokens else 0
+
+
+def _session_entry(state: ServiceState, request: Request, namespace: str) -> Entry | None:
+    """The entry ``request``'s session last kept, if it is still held in ``namespace``."""
+    if request.session_id is None:
+        return None
+    entry = state.entries.get(state.sessions.get(request.session_id))
+    return entry if entry is not None and entry.namespace == namespace else None
 
 
 def _finish_acquire(state: ServiceState, lease_id: int, handle: int, reused: int, source: Source,
@@ -421,6 +447,8 @@ def _publish(state: ServiceState, e: ev.Publish) -> Step:
     existing = state.ram.exact(namespace, e.tokens)
     if existing is not None:
         state = _count(_touch(state, state.entries[existing]), duplicates=1)
+        if request.session_id is not None:
+            state = attrs.evolve(state, sessions=state.sessions.set(request.session_id, existing))
         return Step(state, (fx.DropPublished(e.handle),), Kept(existing, duplicate=True))
     out: list = []
     room = _make_ram_room(state, e.nbytes, out)
@@ -733,6 +761,7 @@ def _scanned(state: ServiceState, e: ev.Scanned) -> Step:
         state = attrs.evolve(_set_entry(state, entry), next_entry=entry.id + 1,
                              disk_bytes=state.disk_bytes + entry.nbytes)
         state = _insert_disk(state, entry)
+    state = _count(state, rejected_files=e.rejected)
     for meta, tokens in e.checkpoints:
         record = CheckpointRecord(meta.namespace, durable_tokens=tokens)
         state = attrs.evolve(state, checkpoints=state.checkpoints.set(meta.key, record))

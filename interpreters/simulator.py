@@ -182,15 +182,16 @@ class SimulatorInterpreter:
 
     def scan(self) -> Scanned:
         """What the disk holds for this identity; foreign and corrupt files are moved aside."""
-        records = []
+        records, rejected = [], 0
         for key, file in list(self.disk.files.items()):
             if file.identity != self.identity or file.corrupt:
                 self._move_aside(key, Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT)
+                rejected += 1
                 continue
             records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable))
         checkpoints = tuple((meta, len(tokens)) for meta, tokens, identity in self.disk.checkpoints.values()
                             if identity == self.identity)
-        return Scanned(tuple(records), checkpoints)
+        return Scanned(tuple(records), checkpoints, rejected)
 
     def perform(self, effect: fx.Effect) -> list:
         """Carry out ``effect``; the completion events it produced (none for the quiet ones)."""

@@ -1,0 +1,376 @@
+"""Model checks: the facade on the simulator against naive reference models (DESIGN.md invariants).
+
+``ExactServiceMachine`` runs RAM-only with FIFO eviction, where a naive
+reference (an ordered dict under a byte capacity) predicts exactly what is
+held, so every acquire must reuse exactly what the reference says
+(invariant 3) and every session hit and miss is predicted.
+
+``TieredServiceMachine`` adds the disk tier with writes that complete later,
+injected write failures, corrupted files, idle demotion, pressure, prefetch,
+flush and restart, under every policy. There the reference tracks what was
+published and admitted; reuse is checked against a naive scan of the held
+listing (RAM and disk) and against what was ever published.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule, run_state_machine_as_test,
+)
+
+from kvstate import (
+    ContextLimitExceeded, KvCacheService, LayerKind, LayerSpec, ModelSpec, OverBudget, POLICIES, Request,
+    RequestKeepsNoState,
+)
+from kvstate.core.state import IN_RAM, Residence
+from kvstate.effects import DiskKey
+from kvstate.interpreters.simulator import FaultPlan, SimDisk
+from tests.reference import NaiveFifoPrefixCache, attention_bytes, longest_usable, usable
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 4
+CONTEXT = 256
+TRIMMABLE = ModelSpec("check-dense", (LayerSpec(LayerKind.FULL_ATTENTION, kv_heads=KV_HEADS, head_dim=HEAD_DIM),) * LAYERS,
+                      CONTEXT)
+RECURRENT_STATE = 100
+HYBRID = ModelSpec("check-hybrid", (LayerSpec(LayerKind.RECURRENT, state_bytes=RECURRENT_STATE),
+                                    LayerSpec(LayerKind.FULL_ATTENTION, kv_heads=KV_HEADS, head_dim=HEAD_DIM)),
+                   CONTEXT)
+
+
+def reference_bytes(spec: ModelSpec, tokens: int) -> int:
+    """The projection, computed from the test's own formula."""
+    if spec is TRIMMABLE:
+        return attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, tokens)
+    return RECURRENT_STATE + attention_bytes(1, KV_HEADS, HEAD_DIM, tokens)
+
+
+BUDGET = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200)
+RAM = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 80)
+DISK = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200)
+PROFILE = os.environ.get("KVSTATE_CHECK_PROFILE", "ci")
+EXAMPLES = {"ci": 300, "long": 2000}[PROFILE]
+STEPS = {"ci": 50, "long": 80}[PROFILE]
+CHECK_SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+tails = st.lists(st.integers(0, 3), min_size=1, max_size=12).map(tuple)
+
+
+@attrs.define
+class Live:
+    """A request the machine has admitted or acquired and not yet released."""
+
+    request: Request
+    namespace: str
+    admitted_bytes: int = 0
+    caches: object = None
+
+
+class BaseMachine(RuleBasedStateMachine):
+    """Rules shared by both machines: prompts sharing prefixes, admission, release, sessions."""
+
+    prompts = Bundle("prompts")
+    spec: ModelSpec = TRIMMABLE
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: list[Live] = []
+        self.pressure_limit: int | None = None
+
+    def make_service(self, **options):
+        return KvCacheService.simulated(self.spec, ram_bytes=RAM, kv_budget_bytes=BUDGET,
+                                        pressure=lambda held: self.pressure_limit is not None
+                                        and held > self.pressure_limit, **options)
+
+    @initialize(target=prompts)
+    def first_prompt(self):
+        return (0, 1, 2, 3, 0, 1)
+
+    @rule(target=prompts, base=prompts, cut=st.integers(0, 40), tail=tails)
+    def new_prompt(self, base, cut, tail):
+        return (base[:cut] + tail)[:56]
+
+    @rule(prompt=prompts, max_tokens=st.one_of(st.integers(1, 40), st.sampled_from([150, 250, 400])), session=st.sampled_from([None, "s1", "s2"]),
+          namespace=st.sampled_from(["x", "y"]), reuses=st.sampled_from([True, True, True, False]))
+    def admit(self, prompt, max_tokens, session, namespace, reuses):
+        request = Request(prompt, max_tokens, session_id=session, reuses_prefix=reuses)
+        need = reference_bytes(self.spec, len(prompt) + max_tokens)
+        held = sum(live.admitted_bytes for live in self.live)
+        before = self.service.state
+        if len(prompt) + max_tokens > CONTEXT:
+            with_error = ContextLimitExceeded
+        elif need > BUDGET:
+            with_error = OverBudget
+        else:
+            with_error = None
+        if with_error is not None:
+            try:
+                self.service.admit(request)
+            except with_error:
+                assert self.service.state == before  # an error changes nothing
+                return
+            raise AssertionError(f"expected {with_error.__name__}")
+        admitted = self.service.admit(request)
+        assert admitted == (held + need <= BUDGET)
+        if admitted:
+            self.live.append(Live(request, namespace, need))
+        else:
+            assert self.service.state == before
+
+    @rule(prompt=prompts, session=st.sampled_from([None, "s1", "s2"]), namespace=st.sampled_from(["x", "y"]),
+          extra=st.lists(st.integers(0, 3), max_size=6).map(tuple), reuses=st.sampled_from([True] * 7 + [False]))
+    def serve(self, prompt, session, namespace, extra, reuses):
+        """One whole request as a scheduler runs it: admit, acquire, prefill, publish, release."""
+        request = Request(prompt, 8, session_id=session, reuses_prefix=reuses)
+        need = reference_bytes(self.spec, len(prompt) + 8)
+        if not self.service.admit(request):
+            assert sum(live.admitted_bytes for live in self.live) + need > BUDGET
+            return
+        live = Live(request, namespace, need)
+        self.live.append(live)
+        self.check_acquire(live, self.service.acquire(request, namespace))
+        tokens = prompt + extra
+        live.caches = self.service.interpreter.prefill(live.caches, tokens[len(live.caches.tokens):])
+        if reuses:
+            self.check_publish(live, tokens, self.service.publish(request, namespace, tokens, live.caches))
+        self.live.remove(live)
+        self.service.release(request, True)
+
+    @precondition(lambda self: any(live.caches is None for live in self.live))
+    @rule(data=st.data())
+    def acquire(self, data):
+        live = data.draw(st.sampled_from([live for live in self.live if live.caches is None]))
+        self.check_acquire(live, self.service.acquire(live.request, live.namespace))
+
+    @precondition(lambda self: any(live.caches is not None for live in self.live))
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), max_size=6).map(tuple))
+    def publish(self, data, extra):
+        live = data.draw(st.sampled_from([live for live in self.live if live.caches is not None]))
+        prompt = live.request.prompt
+        covered = len(live.caches.tokens)
+        tokens = (prompt if covered <= len(prompt) else live.caches.tokens) + extra
+        caches = self.service.interpreter.prefill(live.caches, tokens[covered:])
+        live.caches = caches
+        if not live.request.reuses_prefix:
+            before = self.service.state
+            try:
+                self.service.publish(live.request, live.namespace, tokens, caches)
+            except RequestKeepsNoState:
+                assert self.service.state == before
+                return
+            raise AssertionError("publish of a request that keeps nothing must fail")
+        self.check_publish(live, tokens, self.service.publish(live.request, live.namespace, tokens, caches))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), completed=st.booleans())
+    def release(self, data, completed):
+        live = data.draw(st.sampled_from(self.live))
+        self.live.remove(live)
+        self.service.release(live.request, completed)
+
+    @rule(limit=st.integers(0, RAM))
+    def boundary_under_pressure(self, limit):
+        self.pressure_limit = limit
+        self.service.boundary()
+        self.after_pressure(limit)
+        self.pressure_limit = None
+
+    @rule(session=st.sampled_from(["s1", "s2"]))
+    def close_session(self, session):
+        self.service.close_session(session)
+        self.sessions.pop(session, None)
+
+    @invariant()
+    def admitted_bytes_within_budget(self):
+        report = self.service.report()
+        assert report.projected_bytes == sum(live.admitted_bytes for live in self.live)
+        assert report.projected_bytes <= BUDGET
+
+    @invariant()
+    def ram_within_capacity_and_content_is_what_was_published(self):
+        state = self.service.state
+        in_ram = [e for e in state.entries.values() if e.residence in IN_RAM]
+        assert sum(e.nbytes for e in in_ram) <= RAM
+        assert state.ram_bytes <= RAM
+        for entry in in_ram:
+            assert self.service.interpreter.ram_content(entry.id).tokens == entry.tokens
+
+    def teardown(self):
+        if not hasattr(self, "service"):
+            return
+        for live in list(self.live):
+            self.service.release(live.request, True)
+        assert self.service.report().projected_bytes == 0
+        first = self.service.close()
+        assert self.service.close() == first
+        assert self.service.report().entries == 0
+
+
+class ExactServiceMachine(BaseMachine):
+    """RAM only, FIFO: the reference predicts every held prefix and every reuse exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reference = NaiveFifoPrefixCache(RAM)
+        self.sessions: dict[str, tuple] = {}
+        self.session_hits = self.session_misses = 0
+
+    @initialize(hybrid=st.booleans())
+    def build(self, hybrid):
+        self.spec = HYBRID if hybrid else TRIMMABLE
+        self.service = self.make_service(policy="fifo")
+
+    def check_acquire(self, live, state):
+        request = live.request
+        prompt = request.prompt
+        expected = longest_usable(self.reference.held(), live.namespace, prompt) if request.reuses_prefix else 0
+        assert state.reused_tokens == expected
+        assert state.caches.tokens == prompt[:expected]
+        session = request.session_id
+        if request.reuses_prefix and session in self.sessions:
+            key = self.sessions[session]
+            own = (key in self.reference.items and key[0] == live.namespace and expected > 0
+                   and usable(key[1], self.reference.items[key][1], prompt) == expected)
+            self.session_hits += own
+            self.session_misses += not own
+        live.caches = state.caches
+
+    def check_publish(self, live, tokens, kept):
+        size = reference_bytes(self.spec, len(tokens))
+        key = (live.namespace, tokens)
+        assert kept == self.reference.put(key, size, self.spec is TRIMMABLE)
+        if kept and live.request.session_id is not None:
+            self.sessions[live.request.session_id] = key
+
+    def after_pressure(self, limit):
+        while self.reference.items and self.reference.held_bytes > limit:
+            self.reference.drop_oldest()
+
+    @invariant()
+    def held_prefixes_are_the_references(self):
+        state = self.service.state
+        held = {(ns, tokens) for ns, tokens, _, _ in state.ram.items()}
+        assert held == set(self.reference.items)
+        report = self.service.report()
+        assert report.bytes == self.reference.held_bytes
+        assert (report.session_hits, report.session_misses) == (self.session_hits, self.session_misses)
+
+
+class TieredServiceMachine(BaseMachine):
+    """RAM over a disk tier, writes completing later, faults injected, every policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: set[tuple] = set()
+        self.disk = SimDisk()
+        self.faults = FaultPlan()
+        self.sessions: dict = {}
+
+    @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans())
+    def build(self, policy, hybrid):
+        self.spec = HYBRID if hybrid else TRIMMABLE
+        self.policy = policy
+        self.service = self.make_service(
+            policy=policy, disk_bytes=DISK, demote_idle_after=5.0, write_queue_bytes=RAM // 2,
+            interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True})
+
+    def held_listing(self):
+        state = self.service.state
+        return ([(ns, t, trim) for ns, t, _, trim in state.ram.items()]
+                + [(ns, t, trim) for ns, t, _, trim in state.disk.items()])
+
+    def check_acquire(self, live, state):
+        prompt = live.request.prompt
+        reused = state.reused_tokens
+        assert state.caches.tokens == prompt[:reused]
+        if not live.request.reuses_prefix:
+            assert reused == 0
+        else:
+            assert reused == longest_usable(self.held_listing(), live.namespace, prompt)
+            published = [(ns, t, True) for ns, t in self.published]
+            assert reused <= longest_usable(published, live.namespace, prompt)
+        live.caches = state.caches
+
+    def check_publish(self, live, tokens, kept):
+        if kept:
+            self.published.add((live.namespace, tokens))
+
+    def after_pressure(self, limit):
+        pass
+
+    @rule(count=st.integers(1, 4))
+    def writes_complete(self, count):
+        self.service.complete(self.service.interpreter.poll(count))
+
+    @rule()
+    def next_write_fails(self):
+        sim = self.service.interpreter
+        self.faults.fail_writes.add(sim.stats.writes + sim.pending_writes + 1)
+
+    @precondition(lambda self: self.disk.files)
+    @rule(data=st.data())
+    def a_saved_file_rots(self, data):
+        key = data.draw(st.sampled_from(sorted(self.disk.files, key=lambda k: (k.namespace, k.tokens))))
+        self.disk.corrupt(key)
+
+    @rule(seconds=st.floats(0.5, 10.0))
+    def time_passes(self, seconds):
+        sim = self.service.interpreter
+        sim.now += seconds
+        self.service.boundary()
+
+    @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]))
+    def prefetch(self, prompt, namespace):
+        self.service.prefetch(prompt, namespace)
+
+    @rule()
+    def flush_then_crash_and_restart(self):
+        result = self.service.flush()
+        state = self.service.state
+        if not result.durable:
+            return
+        kept = {(e.namespace, e.tokens): e for e in state.entries.values()}
+        for (ns, tokens), entry in kept.items():
+            if entry.residence in IN_RAM:
+                file = self.disk.files[DiskKey(ns, tokens)]
+                assert file.content == tokens
+        # The process dies here: a fresh service finds every kept prefix on disk (invariant 5).
+        self.service = self.make_service(
+            policy=self.policy, disk_bytes=DISK, demote_idle_after=5.0, write_queue_bytes=RAM // 2,
+            interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True})
+        found = {(ns, t) for ns, t, _, _ in self.service.state.disk.items()}
+        rotten = {(k.namespace, k.tokens) for k, _ in self.disk.rejected}
+        assert set(kept) - rotten <= found
+        self.live.clear()
+
+    @invariant()
+    def pinned_state_is_never_dropped(self):
+        state = self.service.state
+        sim = self.service.interpreter
+        for entry in state.entries.values():
+            if entry.residence is Residence.SPILLING:
+                assert sim.ram_content(entry.id).tokens == entry.tokens
+        for effect, _ in sim._pending:
+            if hasattr(effect, "entry"):
+                assert state.entries[effect.entry].residence is Residence.SPILLING
+
+    @invariant()
+    def disk_within_capacity_and_holds_only_what_was_published(self):
+        state = self.service.state
+        assert state.disk_bytes <= DISK
+        for file in self.disk.files.values():
+            assert (file.namespace, file.tokens) in self.published
+            assert file.content == file.tokens
+
+
+def test_exact_machine():
+    run_state_machine_as_test(ExactServiceMachine, settings=CHECK_SETTINGS)
+
+
+def test_tiered_machine():
+    run_state_machine_as_test(TieredServiceMachine, settings=CHECK_SETTINGS)
