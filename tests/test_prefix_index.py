@@ -1,0 +1,65 @@
+"""The radix tree answers what a naive scan of every entry answers, and stays persistent."""
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from kvstate.core.prefix_index import PrefixIndex
+from tests.reference import longest_usable
+
+token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(tuple)
+operations = st.lists(st.tuples(st.booleans(), st.sampled_from(["a", "b"]), token_lists, st.booleans()),
+                      max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations, st.lists(token_lists, min_size=1, max_size=10))
+def test_longest_usable_matches_a_naive_scan(ops, prompts):
+    index, naive, history = PrefixIndex(), {}, []
+    for insert, namespace, tokens, trimmable in ops:
+        history.append((index, dict(naive)))
+        key = (namespace, tokens)
+        if insert:
+            entry = len(history)
+            index = index.insert(namespace, tokens, entry, trimmable)
+            naive[key] = (entry, trimmable)
+        elif key in naive:
+            index = index.remove(namespace, tokens)
+            del naive[key]
+        assert len(index) == len(naive)
+    held = [(ns, t, trim) for (ns, t), (_, trim) in naive.items()]
+    for namespace in ("a", "b"):
+        for prompt in prompts:
+            length, entry = index.longest(namespace, prompt)
+            assert length == longest_usable(held, namespace, prompt)
+            if length:
+                tokens = next(t for (ns, t), (e, _) in naive.items() if e == entry and ns == namespace)
+                assert tokens[:length] == prompt[:length]
+    assert sorted((ns, t, e, trim) for ns, t, e, trim in index.items()) == \
+        sorted((ns, t, e, trim) for (ns, t), (e, trim) in naive.items())
+    # Old versions never change (persistence).
+    for old, old_naive in history:
+        assert {(ns, t) for ns, t, _, _ in old.items()} == set(old_naive)
+        for (ns, t), (e, _) in old_naive.items():
+            assert old.exact(ns, t) == e
+
+
+def test_exact_and_remove_of_missing_tokens():
+    index = PrefixIndex().insert("n", (1, 2, 3), 7, True)
+    assert index.exact("n", (1, 2, 3)) == 7
+    assert index.exact("n", (1, 2)) is None
+    assert index.exact("m", (1, 2, 3)) is None
+    try:
+        index.remove("n", (1, 2))
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("removing tokens nobody holds must raise KeyError")
+
+
+def test_one_token_is_always_left_to_compute():
+    index = PrefixIndex().insert("n", (1, 2, 3), 1, True)
+    assert index.longest("n", (1, 2, 3)) == (2, 1)
+    exact_only = PrefixIndex().insert("n", (1, 2, 3), 1, False)
+    assert exact_only.longest("n", (1, 2, 3)) == (0, None)
+    assert exact_only.longest("n", (1, 2, 3, 4)) == (3, 1)
+    assert exact_only.longest("n", (1, 2, 4, 4)) == (0, None)
