@@ -1,0 +1,75 @@
+"""The console script and the trace replay (the README's main job)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstate import KvCacheService, model_spec
+from kvstate.interpreters.cli import parse_bytes
+from kvstate.interpreters.replay import BLOCK_TOKENS, TraceFormatError, TraceRequest, read_mooncake, replay
+from kvstate.interpreters.traces import bundled
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", *args], capture_output=True, text=True)
+
+
+def test_version_and_usage():
+    import kvstate
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"kvstate {kvstate.__version__}"
+    bare = run_cli()
+    assert bare.returncode == 2 and "usage: kvstate" in bare.stderr and "replay" in bare.stderr
+
+
+def test_sizes():
+    assert parse_bytes("384GiB") == 384 << 30
+    assert parse_bytes("2T") == 2 << 40 and parse_bytes("500MB") == 500 * 10**6 and parse_bytes("17") == 17
+
+
+def test_blocks_become_shared_token_prefixes():
+    a = TraceRequest(0, 1100, 5, (7, 8, 9))
+    b = TraceRequest(0, 600, 5, (7, 10))
+    assert len(a.prompt()) == 1100 and len(b.prompt()) == 600
+    assert a.prompt()[:BLOCK_TOKENS] == b.prompt()[:BLOCK_TOKENS]
+    assert a.prompt()[BLOCK_TOKENS] != b.prompt()[BLOCK_TOKENS]
+
+
+def test_malformed_trace_lines_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1]}) + "\n"
+                    + '{"timestamp": 1}\n')
+    with pytest.raises(TraceFormatError, match="bad.jsonl:2"):
+        list(read_mooncake(path))
+
+
+def test_unbounded_replay_reuses_every_shared_leading_block():
+    """With room for everything, each request reuses exactly the leading blocks seen before (less one token)."""
+    spec = model_spec("llama-3.2-1b")
+    requests = list(read_mooncake(bundled()))[:300]
+    service = KvCacheService.simulated(spec, ram_bytes=1 << 60)
+    result = replay(iter(requests), service)
+    expected, seen = 0, []
+    for request in requests:
+        prompt = request.prompt()
+        best = 0
+        for earlier in seen:
+            n = 0
+            for x, y in zip(earlier, prompt):
+                if x != y:
+                    break
+                n += 1
+            best = max(best, n)
+        expected += min(best, len(prompt) - 1)
+        seen.append(prompt)
+    assert result.reused_tokens == expected
+    assert result.requests == 300 and result.report.live_requests == 0 and result.report.projected_bytes == 0
+
+
+def test_main_job_runs_on_the_bundled_trace():
+    done = run_cli("replay", "--limit", "200")
+    assert done.returncode == 0, done.stderr
+    assert "bundled Mooncake conversation trace" in done.stdout
+    assert "token hit ratio" in done.stdout and "requests            200" in done.stdout
