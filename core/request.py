@@ -14,8 +14,16 @@ import attrs
 from kvstate.core.errors import InvalidRequest
 
 
-def as_tokens(tokens: object, what: str = "prompt") -> tuple[int, ...]:
-    """``tokens`` as a tuple of non-negative ints, or :class:`InvalidRequest` saying what is wrong."""
+def as_tokens(tokens: object, what: str = "prompt", known: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """``tokens`` as a tuple of non-negative ints, or :class:`InvalidRequest` saying what is wrong.
+
+    ``known`` is a token tuple already checked (a request's prompt): a tuple
+    that starts with it has only its remaining tokens checked.
+    """
+    if known and type(tokens) is tuple and len(tokens) >= len(known) and tokens[:len(known)] == known:
+        if len(tokens) > len(known):
+            as_tokens(tokens[len(known):], what)
+        return tokens
     if isinstance(tokens, (str, bytes)):
         raise InvalidRequest(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     try:

@@ -161,7 +161,7 @@ class KvCacheService:
     def publish(self, request: Request, namespace: str, tokens: Iterable[int], caches: Any) -> bool:
         """Offer ``caches`` covering ``tokens`` for reuse; True if kept. On an error the caller keeps them."""
         request = request_check(request)
-        tokens = as_tokens(tokens, "published tokens")
+        tokens = as_tokens(tokens, "published tokens", known=request.prompt)
         check_namespace(namespace)
         with self._lock:
             handle = next(self._handles)
@@ -181,7 +181,7 @@ class KvCacheService:
         ``tokens`` are the prompt plus the generated tokens ``caches`` cover;
         ``pending_token`` is the sampled token not yet fed to the model.
         """
-        tokens = as_tokens(tokens, "checkpoint tokens")
+        tokens = as_tokens(tokens, "checkpoint tokens", known=request_check(request).prompt)
         with self._lock:
             lease = self._lease(request, create=False)
             handle = next(self._handles)

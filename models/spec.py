@@ -128,9 +128,16 @@ class ModelSpec:
     kv: KvScheme = BF16
     source: str = ""
 
+    #: Distinct layers with their counts: ``bytes_for`` sums a few terms, not every layer (admission is hot).
+    _terms: tuple[tuple[LayerSpec, int], ...] = attrs.field(init=False, eq=False, repr=False)
+
     def __attrs_post_init__(self) -> None:
         if not self.layers:
             raise ValueError(f"model {self.name!r} has no layers")
+        counts: dict[LayerSpec, int] = {}
+        for layer in self.layers:
+            counts[layer] = counts.get(layer, 0) + 1
+        object.__setattr__(self, "_terms", tuple(counts.items()))
         if self.context_limit is not None and self.context_limit <= 0:
             raise ValueError(f"model {self.name!r}: context_limit must be positive or None")
 
@@ -140,7 +147,7 @@ class ModelSpec:
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes a request's caches hold after ``tokens`` tokens (every layer, live tokens)."""
-        return sum(layer.bytes_for(tokens, self.kv) for layer in self.layers)
+        return sum(count * layer.bytes_for(tokens, self.kv) for layer, count in self._terms)
 
     @property
     def fixed_bytes(self) -> int:
@@ -154,4 +161,4 @@ class ModelSpec:
 
     def trimmable_at(self, tokens: int) -> bool:
         """Whether caches covering ``tokens`` tokens serve any shorter prefix (every layer must)."""
-        return all(layer.trimmable_at(tokens) for layer in self.layers)
+        return all(layer.trimmable_at(tokens) for layer, _ in self._terms)

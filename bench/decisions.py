@@ -1,0 +1,105 @@
+"""Decision latency of the service: admit, acquire (hit and miss), publish, release.
+
+Runs the facade on the simulator (every call goes through ``core.step`` and
+its effects) with 1k, 10k and 100k kept entries of 512 tokens (64 shared
+512-token-long families: a 384-token system prompt and a 128-token turn) and
+4096-token prompts. A hit reuses an entry's 512 tokens; a miss shares nothing.
+Publish keeps a new 4096-token state (capacity leaves room, so no eviction
+is timed). ``index lookup`` is the prefix index alone answering the
+longest usable prefix of a hit prompt. Prints median and p99 microseconds per
+call. ``--no-gc`` keeps the cyclic garbage collector off while timing.
+
+    python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+from kvstate import KvCacheService, Request, SimCaches, model_spec
+
+SPEC = model_spec("llama-3.1-8b")
+FAMILIES, SYSTEM, TURN, PROMPT = 64, 384, 128, 4096
+
+
+def entry_tokens(i: int) -> tuple[int, ...]:
+    family = i % FAMILIES
+    system = tuple(range(family * 10_000, family * 10_000 + SYSTEM))
+    return system + tuple(range(10**9 + i * TURN, 10**9 + (i + 1) * TURN))
+
+
+def build(entries: int, samples: int) -> KvCacheService:
+    capacity = SPEC.bytes_for(SYSTEM + TURN) * entries + SPEC.bytes_for(PROMPT) * (samples + 8)
+    service = KvCacheService.simulated(SPEC, ram_bytes=capacity, kv_budget_bytes=SPEC.bytes_for(PROMPT + 256) * 4096)
+    for i in range(entries):
+        tokens = entry_tokens(i)
+        service.publish(Request(tokens, 1), "bench", tokens, SimCaches(tokens, SPEC))
+    assert service.report().entries == entries
+    return service
+
+
+def timed(call) -> float:
+    start = time.perf_counter_ns()
+    call()
+    return (time.perf_counter_ns() - start) / 1000
+
+
+def measure(entries: int, samples: int) -> dict[str, list[float]]:
+    service = build(entries, samples)
+    times: dict[str, list[float]] = {"admit": [], "acquire hit": [], "acquire miss": [], "publish": [],
+                                     "release": [], "index lookup": []}
+    index = service.state.ram
+    tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
+    gc.collect()
+    for k in range(samples):
+        hit_prompt = entry_tokens((k * 7919) % entries) + tail
+        miss_prompt = tuple(range(3 * 10**9 + k * PROMPT, 3 * 10**9 + (k + 1) * PROMPT))
+        hit, miss = Request(hit_prompt, 256), Request(miss_prompt, 256)
+        times["admit"].append(timed(lambda: service.admit(hit)))
+        service.admit(miss)
+        got = []
+        times["acquire hit"].append(timed(lambda: got.append(service.acquire(hit, "bench"))))
+        assert got[0].reused_tokens == SYSTEM + TURN
+        times["acquire miss"].append(timed(lambda: got.append(service.acquire(miss, "bench"))))
+        assert got[1].reused_tokens == 0
+        caches = SimCaches(miss_prompt, SPEC)
+        times["publish"].append(timed(lambda: service.publish(miss, "bench", miss_prompt, caches)))
+        times["release"].append(timed(lambda: service.release(hit)))
+        times["index lookup"].append(timed(lambda: index.longest("bench", hit_prompt)))
+        service.release(miss)
+    return times
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--no-gc", action="store_true", help="disable the cyclic GC while timing")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = {}
+    for size in sizes:
+        if args.no_gc:
+            gc.disable()
+        rows[size] = measure(size, args.samples)
+        gc.enable()
+    ops = list(next(iter(rows.values())))
+    header = f"{'operation':14}" + "".join(f"{f'{size:,} entries':>24}" for size in sizes)
+    print(f"µs per call, median / p99, {PROMPT}-token prompts, {args.samples} samples each"
+          + (", GC off while timing" if args.no_gc else ""))
+    print(header)
+    for op in ops:
+        cells = "".join(f"{statistics.median(rows[s][op]):>13.1f} / {p99(rows[s][op]):>7.1f}" for s in sizes)
+        print(f"{op:14}{cells}")
+
+
+if __name__ == "__main__":
+    main()
