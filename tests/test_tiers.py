@@ -190,3 +190,24 @@ def test_close_flushes_clears_and_is_idempotent():
     assert first.durable and service.report().entries == 0
     assert service.close() == first
     assert len(disk.files) == 1
+
+
+def test_a_crash_between_effects_loses_only_what_was_not_durable():
+    from kvstate import SimulatedCrash
+
+    disk, faults = SimDisk(), FaultPlan()
+    service = build(disk, faults, deferred=True)
+    durable = tuple(range(60))
+    serve(service, durable)
+    assert service.flush().durable
+    faults.crash_before_effect = service.interpreter.stats.effects + 3
+    with pytest.raises(SimulatedCrash):
+        for start in (1000, 2000, 3000):
+            serve(service, tuple(range(start, start + 60)))
+    faults.crash_before_effect = None
+    restarted = build(disk, faults)
+    held = {tokens for _, tokens, _, _ in restarted.state.disk.items()}
+    assert durable in held  # flushed before the crash: found
+    for tokens in held:  # nothing claimed that was not written whole
+        assert disk.files[DiskKey("n", tokens)].content == tokens
+    assert serve(restarted, durable + (1,)).reused_tokens == 60
