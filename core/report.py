@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvstate.core.state import IN_RAM, Residence, ServiceState
+from kvstate.core.state import IN_RAM, ON_DISK, ServiceState
 
 
 @attrs.frozen
@@ -55,14 +55,14 @@ class Report:
 def report(state: ServiceState) -> Report:
     """The report of ``state``."""
     c, config = state.counters, state.config
-    in_ram = saved = saved_bytes = 0
+    in_ram = ram_bytes = saved = saved_bytes = 0
     for entry in state.entries.values():
         if entry.residence in IN_RAM:
             in_ram += 1
-        if entry.residence in (Residence.BOTH, Residence.DISK, Residence.PREFETCHING):
+            ram_bytes += entry.nbytes
+        if entry.residence in ON_DISK:
             saved += 1
             saved_bytes += entry.nbytes
-    ram_bytes = sum(e.nbytes for e in state.entries.values() if e.residence in IN_RAM)
     return Report(
         entries=in_ram, bytes=ram_bytes, capacity_bytes=config.ram_capacity_bytes,
         hits=c.hits, misses=c.misses, session_hits=c.session_hits, session_misses=c.session_misses,

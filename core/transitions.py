@@ -28,8 +28,8 @@ from kvstate.core.errors import (
     CheckpointNotAllowed, ContextLimitExceeded, InvalidRequest, OverBudget, RequestAlreadyAcquired,
     RequestKeepsNoState, ServiceClosed, TokensDoNotMatchCaches,
 )
-from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, Source
 from kvstate.core.prefix_index import common_prefix
+from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, Source
 from kvstate.core.report import report
 from kvstate.core.request import Request
 from kvstate.core.state import (
@@ -298,14 +298,14 @@ def _plan_acquire(state: ServiceState, lease_id: int, handle: int, out: list) ->
         return _finish_acquire(state, lease_id, handle, 0, Source.FRESH, None, out, count=False)
     ram_len, ram_entry = state.ram.longest(namespace, request.prompt)
     disk_len, disk_entry = (state.disk.longest(namespace, request.prompt) if state.config.has_disk else (0, None))
+    best = max(ram_len, disk_len)
     own = _session_entry(state, request, namespace)
-    if own is not None and max(ram_len, disk_len) > 0 and usable_length(own, request.prompt) >= max(ram_len, disk_len):
+    if own is not None and best > 0 and usable_length(own, request.prompt) >= best:
         # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
         if own.residence in IN_RAM:
-            ram_len, ram_entry = max(ram_len, disk_len), own.id
-            disk_len = 0
-        elif own.residence in (R.DISK, R.PREFETCHING):
-            disk_len, disk_entry, ram_len = max(ram_len, disk_len), own.id, 0
+            ram_len, ram_entry, disk_len = best, own.id, 0
+        else:
+            disk_len, disk_entry, ram_len = best, own.id, 0
     if disk_len > ram_len:
         entry = state.entries[disk_entry]
         out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))

@@ -78,8 +78,9 @@ class KvCacheService:
 
         spec = model_spec(model) if isinstance(model, str) else model
         interpreter_options = dict(interpreter_options or {})
-        identity = options.setdefault("identity", interpreter_options.setdefault("identity", f"sim:{spec.name}"))
-        interpreter_options["identity"] = identity
+        identity = options.get("identity") or interpreter_options.get("identity") or f"sim:{spec.name}"
+        options.setdefault("identity", identity)
+        interpreter_options.setdefault("identity", identity)
         config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
                                disk_capacity_bytes=disk_bytes, policy=policy, **options)
         return cls(config, SimulatorInterpreter(spec, **interpreter_options), pressure=pressure)
