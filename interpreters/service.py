@@ -9,6 +9,7 @@ object a lease id the first time it sees it.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import weakref
@@ -22,7 +23,7 @@ from kvstate.core.errors import UnknownRequest
 from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
-from kvstate.core.state import ServiceConfig, ServiceState, check_namespace, initial_state, request_check
+from kvstate.core.state import InvalidConfig, ServiceConfig, ServiceState, check_namespace, initial_state, request_check
 from kvstate.core.transitions import step
 from kvstate.effects.effects import CheckpointMeta
 from kvstate.models.catalogue import model_spec
@@ -84,6 +85,41 @@ class KvCacheService:
         config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
                                disk_capacity_bytes=disk_bytes, policy=policy, **options)
         return cls(config, SimulatorInterpreter(spec, **interpreter_options), pressure=pressure)
+
+    @classmethod
+    def for_mlx(cls, model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
+                disk_dir: str | None = None, disk_bytes: int | None = None, name: str = "model",
+                config: dict | None = None, tokenizer: Any = None, spec: ModelSpec | None = None,
+                verify: bool = True, background_writes: bool = True, policy: str = "lru",
+                pressure: Callable[[int], bool] | None = None, **options: Any) -> "KvCacheService":
+        """A service on the MLX interpreter for a loaded mlx-lm ``model``.
+
+        The geometry is read off the model (or given as ``spec``); the identity
+        every saved file carries is the model fingerprint (weights and
+        ``config``), the tokenizer hash and the geometry. ``disk_dir`` with
+        ``disk_bytes`` enables the disk tier; ``verify`` checks content hashes
+        on every restore.
+        """
+        from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+        from kvstate.interpreters.mlx_interpreter import MlxInterpreter
+        from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
+
+        spec = spec or spec_from_model(model, name)
+        fingerprint = model_fingerprint(model, config)
+        config_fingerprint = hashlib.blake2b(f"{fingerprint}:{spec!r}".encode(), digest_size=12).hexdigest()
+        identity = StoreIdentity(fingerprint, tokenizer_hash(tokenizer), config_fingerprint)
+        store = None
+        if disk_dir is not None:
+            if disk_bytes is None:
+                raise InvalidConfig("disk_dir needs disk_bytes: the byte budget of the disk tier")
+            store = DiskStore(disk_dir, identity, verify=verify)
+        elif disk_bytes is not None:
+            raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
+        service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
+                                       disk_capacity_bytes=disk_bytes, policy=policy,
+                                       identity=identity.encoded(), **options)
+        interpreter = MlxInterpreter(model, store=store, background_writes=background_writes)
+        return cls(service_config, interpreter, pressure=pressure)
 
     # ------------------------------------------------------------ plumbing
 
@@ -168,7 +204,8 @@ class KvCacheService:
             handle = next(self._handles)
             facts = self._interpreter.stage(handle, caches)
             try:
-                reply = self._run(ev.Publish(request, namespace, tokens, handle, facts.covered, facts.nbytes,
+                covered = len(tokens) if facts.covered is None else facts.covered  # recurrent state knows no length
+                reply = self._run(ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes,
                                              facts.trimmable))
             except BaseException:
                 self._interpreter.unstage(handle)
@@ -188,7 +225,8 @@ class KvCacheService:
             handle = next(self._handles)
             facts = self._interpreter.stage(handle, caches)
             try:
-                return self._run(ev.Checkpoint(lease, handle, tokens, facts.covered, generated_tokens,
+                covered = len(tokens) if facts.covered is None else facts.covered
+                return self._run(ev.Checkpoint(lease, handle, tokens, covered, generated_tokens,
                                                pending_token, facts.nbytes))
             except BaseException:
                 self._interpreter.unstage(handle)

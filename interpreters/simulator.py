@@ -60,9 +60,9 @@ class SimCaches:
 
 @attrs.frozen
 class CacheFacts:
-    """What an interpreter measures of caches a caller hands in."""
+    """What an interpreter measures of caches a caller hands in (``covered`` None: the caches cannot tell)."""
 
-    covered: int
+    covered: int | None
     nbytes: int
     trimmable: bool
 

@@ -30,7 +30,7 @@ class LayerKind(enum.Enum):
 
 @attrs.frozen
 class KvScheme:
-    """How attention caches store one element: plain 16-bit, or grouped quantisation.
+    """How attention caches store one element: plain 16-bit (or 32-bit), or grouped quantisation.
 
     Quantised schemes pack ``bits`` per element and keep a scale and a bias of
     ``scale_bytes`` each per group of ``group_size`` elements, as mlx's
@@ -43,9 +43,9 @@ class KvScheme:
     scale_bytes: int = 2
 
     def __attrs_post_init__(self) -> None:
-        if self.bits not in (16, 8, 4):
-            raise ValueError(f"KV scheme {self.name!r}: bits must be 16, 8 or 4, got {self.bits}")
-        if self.bits < 16 and self.group_size <= 0:
+        if self.bits not in (32, 16, 8, 4):
+            raise ValueError(f"KV scheme {self.name!r}: bits must be 32, 16, 8 or 4, got {self.bits}")
+        if self.quantized and self.group_size <= 0:
             raise ValueError(f"KV scheme {self.name!r}: a quantised scheme needs a positive group_size")
 
     @property
@@ -55,11 +55,12 @@ class KvScheme:
     def vector_bytes(self, elements: int) -> int:
         """Bytes of one stored vector of ``elements`` values under this scheme."""
         if not self.quantized:
-            return elements * 2
+            return elements * self.bits // 8
         groups = -(-elements // self.group_size)
         return elements * self.bits // 8 + groups * 2 * self.scale_bytes
 
 
+FP32 = KvScheme("fp32", 32)
 BF16 = KvScheme("bf16", 16)
 FP16 = KvScheme("fp16", 16)
 Q8 = KvScheme("q8", 8, group_size=64)
@@ -110,7 +111,7 @@ class LayerSpec:
         if self.kind is LayerKind.RECURRENT:
             return False
         if self.kind is LayerKind.SLIDING_WINDOW:
-            return tokens <= self.window
+            return tokens < self.window  # as mlx-lm's RotatingKVCache: full means the next token rotates
         return True
 
 

@@ -30,7 +30,7 @@ def test_sliding_window_layers_stop_growing_at_their_window():
     assert globals_ == 8 and len(gemma.layers) == 48
     per_layer_token = attention_bytes(1, 8, 256, 1)
     assert gemma.bytes_for(4096) == 8 * 4096 * per_layer_token + 40 * 1024 * per_layer_token
-    assert gemma.trimmable_at(1024) and not gemma.trimmable_at(1025)
+    assert gemma.trimmable_at(1023) and not gemma.trimmable_at(1024)
 
 
 def test_recurrent_state_is_fixed_and_never_trimmable():

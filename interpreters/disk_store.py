@@ -1,0 +1,358 @@
+"""Saved state on disk: kvstate's own versioned format on safetensors.
+
+One file per saved prefix (or generation checkpoint), under
+``<root>/<config fingerprint>/``. The safetensors metadata is the header:
+format version, identity (model fingerprint, tokenizer hash, config
+fingerprint), namespace, the token list, per layer the cache class and its
+scalars, and a blake2b content hash per tensor. Only live tokens are stored.
+
+Files are encoded on the caller's thread (the only mlx work) and committed by
+plain file I/O, so a background writer never touches mlx. Writes are atomic: a temp file in the same directory, fsync, rename, fsync of
+the directory; a crash leaves either the old state or the new, never half a
+file under a real name (stale temp files are removed at scan). Reads check the
+header against the file's size and the store's identity, and (by default) every
+tensor's hash; a file that fails is moved to ``rejected/`` with its reason and
+reported as :class:`RejectedFile`, never restored. ``scan`` rebuilds the index
+from headers alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import struct
+import threading
+from array import array
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from kvstate.core.errors import StorageError
+from kvstate.core.events import SavedRecord
+from kvstate.effects.completions import FailureReason
+from kvstate.effects.effects import CheckpointMeta, DiskKey
+from kvstate.interpreters.mlx_caches import codec_named, codec_of
+
+FORMAT_VERSION = "1"
+SUFFIX = ".safetensors"
+MAX_HEADER_BYTES = 64 << 20
+_SAFETENSORS_DTYPE = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
+                      mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
+                      mx.float32: "F32", mx.uint64: "U64", mx.int64: "I64"}
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4,
+                "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+@attrs.frozen
+class StoreIdentity:
+    """What saved state must match to be restored: model, tokenizer and config."""
+
+    model_fingerprint: str
+    tokenizer_hash: str
+    config_fingerprint: str
+
+    def encoded(self) -> str:
+        return json.dumps(attrs.asdict(self), sort_keys=True)
+
+
+class RejectedFile(StorageError):
+    """A saved file that cannot be restored; it was moved aside."""
+
+    def __init__(self, reason: FailureReason, message: str):
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+
+
+class WriteFailed(StorageError):
+    """A write that did not become durable (nothing under the real name changed)."""
+
+    def __init__(self, reason: FailureReason, message: str):
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+
+
+def content_hash(array: mx.array) -> str:
+    """blake2b of the array's bytes in row-major order."""
+    raw = np.asarray(mx.view(mx.contiguous(array), mx.uint8))
+    return hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
+
+
+def _name(kind: str, *parts: bytes) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        digest.update(part)
+        digest.update(b"\x00")
+    return f"{kind}-{digest.hexdigest()}{SUFFIX}"
+
+
+def read_header(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(metadata, tensors)`` of a safetensors file, checked against its size; :class:`RejectedFile` if bad.
+
+    No allocation is sized from an unchecked field: the header length is
+    bounded by the file size and ``MAX_HEADER_BYTES`` before it is read.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            head = file.read(8)
+            if len(head) < 8:
+                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", head)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: header length {length} past the file")
+            header = json.loads(file.read(length))
+    except FileNotFoundError:
+        raise RejectedFile(FailureReason.MISSING, f"{path.name}: not there") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: header is not JSON ({error})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: no metadata")
+    metadata = header.pop("__metadata__")
+    end = 0
+    for name, info in header.items():
+        try:
+            start, stop = info["data_offsets"]
+            count = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
+            if not (0 <= start <= stop) or stop - start != count * _DTYPE_BYTES[info["dtype"]]:
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} is described wrongly") from None
+        end = max(end, stop)
+    if 8 + length + end != size:
+        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: {size} bytes, header describes {8 + length + end}")
+    return metadata, header
+
+
+@attrs.frozen(eq=False)
+class EncodedFile:
+    """A saved file's bytes, prepared and waiting to be committed."""
+
+    path: Path
+    header: bytes
+    buffers: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(b.nbytes for b in self.buffers)
+
+
+@attrs.frozen
+class SavedFile:
+    """What a header says about one saved file."""
+
+    path: Path
+    kind: str
+    namespace: str
+    tokens: tuple[int, ...]
+    nbytes: int
+    trimmable: bool
+    checkpoint: CheckpointMeta | None
+
+
+class DiskStore:
+    """Saved prefixes and checkpoints of one model identity under ``root``."""
+
+    def __init__(self, root: str | os.PathLike, identity: StoreIdentity, *, verify: bool = True):
+        self.root = Path(root)
+        self.identity = identity
+        self.verify = verify
+        self.directory = self.root / identity.config_fingerprint
+        self.rejected_directory = self.directory / "rejected"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.rejected: list[tuple[str, FailureReason]] = []
+
+    # ------------------------------------------------------------ names
+
+    def prefix_path(self, key: DiskKey) -> Path:
+        return self.directory / _name("prefix", key.namespace.encode(), array("q", key.tokens).tobytes())
+
+    def checkpoint_path(self, key: str) -> Path:
+        return self.directory / _name("checkpoint", key.encode())
+
+    # ------------------------------------------------------------ writes
+
+    def encode_prefix(self, key: DiskKey, caches: list, trimmable: bool, nbytes: int) -> "EncodedFile":
+        """The file for a prefix, ready to commit (mlx work happens here, on the caller's thread)."""
+        return self._encode(self.prefix_path(key), "prefix", key.namespace, key.tokens, caches,
+                            {"kvstate.trimmable": json.dumps(trimmable), "kvstate.nbytes": str(nbytes)})
+
+    def encode_checkpoint(self, meta: CheckpointMeta, tokens: tuple[int, ...], caches: list) -> "EncodedFile":
+        return self._encode(self.checkpoint_path(meta.key), "checkpoint", meta.namespace, tokens, caches,
+                            {"kvstate.checkpoint": json.dumps(attrs.asdict(meta)), "kvstate.trimmable": "false",
+                             "kvstate.nbytes": "0"})
+
+    def _encode(self, path: Path, kind: str, namespace: str, tokens: tuple[int, ...], caches: list,
+                extra: dict[str, str]) -> "EncodedFile":
+        tensors: dict[str, mx.array] = {}
+        layers = []
+        for i, cache in enumerate(caches):
+            arrays, meta = codec_of(cache).save(cache)
+            tensors.update({f"{i}.{name}": a for name, a in arrays.items()})
+            layers.append({"class": type(cache).__name__, **meta})
+        mx.eval(list(tensors.values()))
+        header: dict[str, Any] = {}
+        buffers: list[np.ndarray] = []
+        hashes: dict[str, str] = {}
+        offset = 0
+        for name, tensor in tensors.items():
+            raw = np.asarray(mx.view(mx.contiguous(tensor), mx.uint8)).reshape(-1)
+            hashes[name] = hashlib.blake2b(raw, digest_size=16).hexdigest()
+            header[name] = {"dtype": _SAFETENSORS_DTYPE[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + raw.nbytes]}
+            buffers.append(raw)
+            offset += raw.nbytes
+        header["__metadata__"] = {
+            "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(), "kvstate.kind": kind,
+            "kvstate.namespace": namespace, "kvstate.tokens": json.dumps(list(tokens)),
+            "kvstate.layers": json.dumps(layers), "kvstate.hashes": json.dumps(hashes), **extra}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+        return EncodedFile(path, struct.pack("<Q", len(encoded)) + encoded, tuple(buffers))
+
+    def commit(self, file: "EncodedFile") -> None:
+        """Write ``file`` atomically (temp file, fsync, rename, fsync of the directory); plain file I/O only.
+
+        :class:`WriteFailed` if it could not; nothing under the real name changed then.
+        """
+        temp = file.path.with_name(f".{file.path.stem}.tmp-{os.getpid()}-{threading.get_ident()}{SUFFIX}")
+        try:
+            with open(temp, "wb") as out:
+                out.write(file.header)
+                for buffer in file.buffers:
+                    out.write(memoryview(buffer))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, file.path)
+            directory = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as error:
+            temp.unlink(missing_ok=True)
+            no_space = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
+                              f"{file.path.name}: {error}") from None
+
+    def delete_prefix(self, key: DiskKey) -> None:
+        self.prefix_path(key).unlink(missing_ok=True)
+
+    def delete_checkpoint(self, key: str) -> None:
+        self.checkpoint_path(key).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ reads
+
+    def _describe(self, path: Path) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
+        metadata, tensors = read_header(path)
+        if metadata.get("kvstate.format") != FORMAT_VERSION:
+            raise RejectedFile(FailureReason.IDENTITY_MISMATCH,
+                               f"{path.name}: format {metadata.get('kvstate.format')!r}, this store reads "
+                               f"{FORMAT_VERSION}")
+        if metadata.get("kvstate.identity") != self.identity.encoded():
+            raise RejectedFile(FailureReason.IDENTITY_MISMATCH, f"{path.name}: saved for another model identity")
+        try:
+            tokens = tuple(int(t) for t in json.loads(metadata["kvstate.tokens"]))
+            checkpoint = None
+            if metadata["kvstate.kind"] == "checkpoint":
+                checkpoint = CheckpointMeta(**json.loads(metadata["kvstate.checkpoint"]))
+            described = SavedFile(path, metadata["kvstate.kind"], metadata["kvstate.namespace"], tokens,
+                                  int(metadata["kvstate.nbytes"]), json.loads(metadata["kvstate.trimmable"]) is True,
+                                  checkpoint)
+            json.loads(metadata["kvstate.layers"])
+            hashes = json.loads(metadata["kvstate.hashes"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: header field missing or malformed "
+                                                      f"({error})") from None
+        if not isinstance(hashes, dict) or set(hashes) != set(tensors):
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor hashes do not name its tensors")
+        return described, metadata, tensors
+
+    def _load(self, path: Path) -> tuple[SavedFile, list]:
+        try:
+            described, metadata, _ = self._describe(path)
+            try:
+                arrays = mx.load(str(path))
+            except (RuntimeError, ValueError) as error:
+                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: unreadable ({error})") from None
+            if self.verify:
+                hashes = json.loads(metadata["kvstate.hashes"])
+                for name, array_ in arrays.items():
+                    if content_hash(array_) != hashes.get(name):
+                        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} fails its hash")
+            caches = []
+            for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
+                prefix = f"{i}."
+                own = {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}
+                try:
+                    caches.append(codec_named(layer["class"]).load(own, layer))
+                except (KeyError, TypeError, ValueError):
+                    raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: layer {i} cannot be rebuilt") from None
+            return described, caches
+        except RejectedFile as rejected:
+            if rejected.reason is not FailureReason.MISSING:
+                self.move_aside(path, rejected.reason)
+            raise
+
+    def read_prefix(self, key: DiskKey) -> list:
+        """The caches saved under ``key``; :class:`RejectedFile` (moved aside) if they cannot be trusted."""
+        described, caches = self._load(self.prefix_path(key))
+        if (described.namespace, described.tokens) != (key.namespace, key.tokens):
+            self.move_aside(described.path, FailureReason.CORRUPT)
+            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: covers other tokens than its name")
+        return caches
+
+    def read_checkpoint(self, key: str) -> tuple[CheckpointMeta, tuple[int, ...], list]:
+        described, caches = self._load(self.checkpoint_path(key))
+        if described.checkpoint is None or described.checkpoint.key != key:
+            self.move_aside(described.path, FailureReason.CORRUPT)
+            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: not the checkpoint of {key!r}")
+        return described.checkpoint, described.tokens, caches
+
+    def move_aside(self, path: Path, reason: FailureReason) -> None:
+        """Move a rejected file into ``rejected/`` (never deleted silently) and remember why."""
+        self.rejected_directory.mkdir(exist_ok=True)
+        target = self.rejected_directory / f"{path.name}.{reason.value}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.rejected_directory / f"{path.name}.{reason.value}.{n}"
+        try:
+            os.replace(path, target)
+        except FileNotFoundError:
+            return
+        self.rejected.append((path.name, reason))
+
+    # ------------------------------------------------------------ scan
+
+    def scan(self) -> tuple[list[SavedRecord], list[tuple[CheckpointMeta, int]], int]:
+        """Prefix records and checkpoints from headers alone; bad files moved aside and counted."""
+        records, checkpoints, rejected = [], [], 0
+        for path in sorted(self.directory.iterdir()):
+            if not path.is_file():
+                continue
+            if path.name.startswith(".") and ".tmp-" in path.name:
+                path.unlink(missing_ok=True)  # an interrupted write: never claimed
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                described, _, _ = self._describe(path)
+            except RejectedFile as error:
+                self.move_aside(path, error.reason)
+                rejected += 1
+                continue
+            if described.kind == "checkpoint" and described.checkpoint is not None:
+                checkpoints.append((described.checkpoint, len(described.tokens)))
+            elif described.kind == "prefix":
+                records.append(SavedRecord(described.namespace, described.tokens, described.nbytes,
+                                           described.trimmable))
+        return records, checkpoints, rejected
+
+    def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(namespace, tokens)`` of every saved prefix, from headers alone."""
+        return [(r.namespace, r.tokens) for r in self.scan()[0]]

@@ -1,0 +1,248 @@
+"""The MLX interpreter: carries the core's effects out on real mlx-lm caches and real files.
+
+RAM entries are lists of mlx-lm cache objects, one per layer, exactly as the
+model's ``make_cache()`` builds them; what ``acquire`` hands out is a copy
+that shares no array with what is kept, so it goes straight into
+``generate_step`` / ``stream_generate`` / ``BatchGenerator``. Saved state goes
+through a :class:`~kvstate.interpreters.disk_store.DiskStore`; writes are
+encoded on the caller's thread and committed by a background writer
+(write-behind) whose completions the facade collects at ``boundary()`` and
+``flush()``. Reads (restore, prefetch, resume) run on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvstate.core.errors import InvalidRequest
+from kvstate.core.events import Scanned
+from kvstate.effects import completions as done
+from kvstate.effects import effects as fx
+from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.disk_store import DiskStore, RejectedFile, WriteFailed
+from kvstate.interpreters.simulator import CacheFacts, InterpreterError
+
+
+class _Writer:
+    """A background thread committing encoded files in order; completions wait in a list for ``poll``."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._done: list = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvstate-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                completion = job()
+                if completion is not None:
+                    with self._lock:
+                        self._done.append(completion)
+            finally:
+                self._jobs.task_done()
+
+    def poll(self) -> list:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def drain(self) -> list:
+        self._jobs.join()
+        return self.poll()
+
+
+class MlxInterpreter:
+    """Carries out effects on mlx-lm caches for ``model``, with an optional disk store."""
+
+    def __init__(self, model: Any, *, store: DiskStore | None = None, background_writes: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.store = store
+        self._clock = clock
+        self._ram: dict[int, list] = {}
+        self._handles: dict[int, list] = {}
+        self._writer = _Writer() if background_writes and store is not None else None
+        self.observers: list[Callable[[tuple[int, ...], str], None]] = []
+        self._performers: dict[type, Callable[[Any], list]] = {
+            fx.MakeFresh: self._make_fresh,
+            fx.CloneEntry: self._clone_entry,
+            fx.AdoptPublished: self._adopt_published,
+            fx.DropPublished: self._drop_published,
+            fx.DropEntry: self._drop_entry,
+            fx.SpillEntry: self._spill_entry,
+            fx.RestoreEntry: self._restore_entry,
+            fx.PrefetchEntry: self._prefetch_entry,
+            fx.DeleteFile: self._delete_file,
+            fx.NotifyKept: self._notify_kept,
+            fx.WriteCheckpoint: self._write_checkpoint,
+            fx.DeleteCheckpoint: self._delete_checkpoint,
+            fx.ResumeCheckpoint: self._resume_checkpoint,
+            fx.Sync: self._sync,
+        }
+
+    @property
+    def now(self) -> float:
+        return self._clock()
+
+    # ------------------------------------------------------------ the facade's side
+
+    def fresh(self) -> list:
+        """The model's empty caches."""
+        return make_prompt_cache(self.model)
+
+    def stage(self, handle: int, caches: object) -> CacheFacts:
+        if not isinstance(caches, (list, tuple)) or not caches:
+            raise InvalidRequest(f"caches must be the model's list of mlx-lm cache objects, got "
+                                 f"{type(caches).__name__}")
+        caches = list(caches)
+        facts = CacheFacts(mlx_caches.covered(caches), mlx_caches.live_bytes(caches), mlx_caches.trimmable(caches))
+        self._handles[handle] = caches
+        return facts
+
+    def unstage(self, handle: int) -> object:
+        return self._handles.pop(handle, None)
+
+    def take(self, handle: int) -> list:
+        return self._handles.pop(handle)
+
+    def scan(self) -> Scanned:
+        if self.store is None:
+            return Scanned()
+        records, checkpoints, rejected = self.store.scan()
+        return Scanned(tuple(records), tuple(checkpoints), rejected)
+
+    def perform(self, effect: fx.Effect) -> list:
+        performer = self._performers.get(type(effect))
+        if performer is None:
+            raise InterpreterError(f"the MLX interpreter has no performer for {type(effect).__name__}")
+        return performer(effect)
+
+    def poll(self) -> list:
+        """Completions of writes finished since the last poll."""
+        return self._writer.poll() if self._writer is not None else []
+
+    def ram_caches(self, entry: int) -> list:
+        """The caches kept as RAM ``entry`` (for checks)."""
+        return self._ram[entry]
+
+    # ------------------------------------------------------------ performers
+
+    def _store(self) -> DiskStore:
+        if self.store is None:
+            raise InterpreterError("a disk effect reached an interpreter without a disk store")
+        return self.store
+
+    def _write(self, commit: Callable[[], None], succeeded: Any, failed: Callable[[Any], Any]) -> list:
+        def job():
+            try:
+                commit()
+            except WriteFailed as error:
+                return failed(error.reason)
+            return succeeded
+        if self._writer is not None:
+            self._writer.submit(job)
+            return []
+        return [job()]
+
+    def _ordered(self, action: Callable[[], None]) -> None:
+        """Run ``action`` after every write queued before it (deletes must not overtake writes)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: action())
+        else:
+            action()
+
+    def _make_fresh(self, e: fx.MakeFresh) -> list:
+        self._handles[e.handle] = self.fresh()
+        return []
+
+    def _clone_entry(self, e: fx.CloneEntry) -> list:
+        self._handles[e.handle] = mlx_caches.clone(self._ram[e.entry], e.tokens)
+        return []
+
+    def _adopt_published(self, e: fx.AdoptPublished) -> list:
+        caches = self._handles.pop(e.handle)
+        mx.eval(mlx_caches.arrays_of(caches))  # kept state is computed now, not on some later thread
+        self._ram[e.entry] = caches
+        return []
+
+    def _drop_published(self, e: fx.DropPublished) -> list:
+        self._handles.pop(e.handle, None)
+        return []
+
+    def _drop_entry(self, e: fx.DropEntry) -> list:
+        if self._ram.pop(e.entry, None) is None:
+            raise InterpreterError(f"drop of entry {e.entry}, which holds nothing in RAM")
+        return []
+
+    def _spill_entry(self, e: fx.SpillEntry) -> list:
+        store = self._store()
+        encoded = store.encode_prefix(e.key, self._ram[e.entry], e.trimmable, e.nbytes)
+        return self._write(lambda: store.commit(encoded), done.SpillDone(e.entry),
+                           lambda reason: done.SpillFailed(e.entry, reason))
+
+    def _read(self, key: fx.DiskKey) -> list | done.FailureReason:
+        try:
+            return self._store().read_prefix(key)
+        except RejectedFile as rejected:
+            return rejected.reason
+
+    def _restore_entry(self, e: fx.RestoreEntry) -> list:
+        caches = self._read(e.key)
+        if isinstance(caches, done.FailureReason):
+            return [done.RestoreFailed(e.entry, e.handle, caches)]
+        if e.tokens != len(e.key.tokens):
+            caches = mlx_caches.clone(caches, e.tokens)
+        self._handles[e.handle] = caches
+        return [done.RestoreDone(e.entry, e.handle)]
+
+    def _prefetch_entry(self, e: fx.PrefetchEntry) -> list:
+        caches = self._read(e.key)
+        if isinstance(caches, done.FailureReason):
+            return [done.PrefetchFailed(e.entry, caches)]
+        self._ram[e.entry] = caches
+        return [done.PrefetchDone(e.entry)]
+
+    def _delete_file(self, e: fx.DeleteFile) -> list:
+        store = self._store()
+        self._ordered(lambda: store.delete_prefix(e.key))
+        return []
+
+    def _notify_kept(self, e: fx.NotifyKept) -> list:
+        for observe in self.observers:
+            observe(e.key.tokens, e.key.namespace)
+        return []
+
+    def _write_checkpoint(self, e: fx.WriteCheckpoint) -> list:
+        store = self._store()
+        encoded = store.encode_checkpoint(e.meta, e.tokens, self._handles.pop(e.handle))
+        return self._write(lambda: store.commit(encoded), done.CheckpointWritten(e.meta.key, len(e.tokens)),
+                           lambda reason: done.CheckpointFailed(e.meta.key, reason))
+
+    def _delete_checkpoint(self, e: fx.DeleteCheckpoint) -> list:
+        store = self._store()
+        self._ordered(lambda: store.delete_checkpoint(e.key))
+        return []
+
+    def _resume_checkpoint(self, e: fx.ResumeCheckpoint) -> list:
+        try:
+            meta, tokens, caches = self._store().read_checkpoint(e.key)
+        except RejectedFile as rejected:
+            return [done.ResumeFailed(e.key, e.handle, rejected.reason)]
+        self._handles[e.handle] = caches
+        return [done.CheckpointResumed(e.handle, meta, len(tokens))]
+
+    def _sync(self, e: fx.Sync) -> list:
+        finished = self._writer.drain() if self._writer is not None else []
+        return finished + [done.Synced()]
