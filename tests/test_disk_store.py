@@ -1,0 +1,184 @@
+"""The disk store on real files: round trips, atomicity, and bad files rejected, counted, moved aside."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+
+from kvstate import KvCacheService, Request, Source
+from kvstate.effects import DiskKey, FailureReason
+from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.models.reference import build
+
+IDENTITY = StoreIdentity("model-a", "tok-a", "cfg-a")
+
+
+def filled(cache, tokens, heads=2, dim=32, dtype=mx.bfloat16, step=1):
+    for start in range(0, tokens, step):
+        n = min(step, tokens - start)
+        keys = mx.random.normal((1, heads, n, dim)).astype(dtype)
+        cache.update_and_fetch(keys, keys * 2)
+    return cache
+
+
+def recurrent():
+    cache = ArraysCache(2)
+    cache[0] = mx.random.normal((1, 3, 16))
+    cache[1] = mx.random.normal((1, 4, 8, 8))
+    return cache
+
+
+CASES = {
+    "kv": lambda: [filled(KVCache(), 37), filled(KVCache(), 37)],
+    "rotating-unwrapped": lambda: [filled(RotatingKVCache(max_size=64), 37)],
+    "rotating-wrapped": lambda: [filled(RotatingKVCache(max_size=16), 37)],
+    "quantized": lambda: [filled(QuantizedKVCache(group_size=32, bits=4), 37, dtype=mx.float16)],
+    "arrays": lambda: [recurrent()],
+    "cache-list": lambda: [CacheList(filled(KVCache(), 37), recurrent())],
+}
+
+
+def state_arrays(caches):
+    out = []
+    for cache in caches:
+        tensors, meta = mlx_caches.codec_of(cache).save(cache)
+        out.append((type(cache).__name__, meta, {k: v.tolist() for k, v in tensors.items()}))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_round_trip_of_every_cache_class(case, tmp_path):
+    mx.random.seed(0)
+    caches = CASES[case]()
+    store = DiskStore(tmp_path, IDENTITY)
+    key = DiskKey("n", tuple(range(37)))
+    store.commit(store.encode_prefix(key, caches, mlx_caches.trimmable(caches), mlx_caches.live_bytes(caches)))
+    loaded = store.read_prefix(key)
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert state_arrays(loaded) == state_arrays(caches)
+    assert mlx_caches.live_bytes(loaded) == mlx_caches.live_bytes(caches)
+    records, _, rejected = store.scan()
+    assert rejected == 0 and [(r.namespace, r.tokens) for r in records] == [("n", key.tokens)]
+
+
+def saved(tmp_path, tokens=tuple(range(37))):
+    store = DiskStore(tmp_path, IDENTITY)
+    caches = [filled(KVCache(), len(tokens))]
+    key = DiskKey("n", tokens)
+    store.commit(store.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
+    return store, key, store.prefix_path(key)
+
+
+def header_length(path):
+    return struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["tensor-bit", "header-bit", "truncated-in-header", "truncated-in-data",
+                                    "empty", "garbage"])
+def test_damaged_files_are_rejected_and_moved_aside(damage, tmp_path):
+    store, key, path = saved(tmp_path)
+    size, start = path.stat().st_size, 8 + header_length(path)
+    if damage == "tensor-bit":
+        flip(path, start + 100)
+    elif damage == "header-bit":
+        flip(path, 8 + header_length(path) // 2)
+    elif damage == "truncated-in-header":
+        path.write_bytes(path.read_bytes()[:start - 10])
+    elif damage == "truncated-in-data":
+        path.write_bytes(path.read_bytes()[:size - 7])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        path.write_bytes(b"\xff" * 64)
+    with pytest.raises(RejectedFile) as rejected:
+        store.read_prefix(key)
+    assert rejected.value.reason in (FailureReason.CORRUPT, FailureReason.IDENTITY_MISMATCH)
+    assert not path.exists()
+    assert list(store.rejected_directory.iterdir())
+    assert store.rejected and store.rejected[0][0] == path.name
+
+
+def test_a_foreign_identity_is_never_restored(tmp_path):
+    store, key, path = saved(tmp_path)
+    other = DiskStore(tmp_path, StoreIdentity("model-b", "tok-a", "cfg-a"))  # same directory, other weights
+    assert other.directory == store.directory
+    with pytest.raises(RejectedFile) as rejected:
+        other.read_prefix(key)
+    assert rejected.value.reason is FailureReason.IDENTITY_MISMATCH
+    assert not path.exists() and other.rejected == [(path.name, FailureReason.IDENTITY_MISMATCH)]
+
+
+def test_a_header_larger_than_the_file_is_refused_before_reading_it(tmp_path):
+    store, key, path = saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+    with pytest.raises(RejectedFile, match="past the file"):
+        read_header(path)
+
+
+def test_scan_removes_stale_temp_files_and_counts_bad_ones(tmp_path):
+    store, key, path = saved(tmp_path)
+    (store.directory / f".{path.stem}.tmp-999-1.safetensors").write_bytes(b"half a write")
+    (store.directory / "prefix-deadbeef.safetensors").write_bytes(b"\x00" * 3)
+    records, _, rejected = store.scan()
+    assert len(records) == 1 and rejected == 1
+    assert sorted(p.name for p in store.directory.iterdir() if p.is_file()) == [path.name]
+
+
+def test_the_header_describes_live_tokens_only(tmp_path):
+    store, key, path = saved(tmp_path)
+    metadata, tensors = read_header(path)
+    assert json.loads(metadata["kvstate.tokens"]) == list(key.tokens)
+    assert tensors["0.keys"]["shape"][2] == len(key.tokens)  # not the 256-step buffer
+
+
+def test_the_service_falls_back_past_a_corrupt_file(tmp_path):
+    model, config = build("llama", seed=6)
+
+    def service():
+        return KvCacheService.for_mlx(model, ram_bytes=8 << 20, disk_dir=str(tmp_path), disk_bytes=64 << 20,
+                                      config=config)
+    first = service()
+    short, long = tuple(range(1, 11)), tuple(range(1, 31))
+    for prompt in (short, long):
+        state = first.acquire(request := Request(prompt, 2), "n")
+        model(mx.array([list(prompt[state.reused_tokens:])]), cache=state.caches)
+        first.publish(request, "n", prompt, state.caches)
+        first.release(request)
+    assert first.close().durable
+    directory = next(p for p in tmp_path.iterdir() if p.is_dir())
+    target = max(directory.glob("prefix-*.safetensors"), key=lambda p: p.stat().st_size)
+    flip(target, target.stat().st_size - 5)
+    second = service()
+    state = second.acquire(Request(long + (3,), 2), "n")
+    assert (state.source, state.reused_tokens) == (Source.DISK, len(short))
+    assert second.report().rejected_files == 1
+    assert (directory / "rejected").exists()
+
+
+def test_another_model_finds_nothing_of_the_first(tmp_path):
+    first_model, first_config = build("llama", seed=7)
+    other_model, other_config = build("llama", seed=8)
+    first = KvCacheService.for_mlx(first_model, ram_bytes=8 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 26,
+                                   config=first_config)
+    prompt = tuple(range(1, 21))
+    state = first.acquire(request := Request(prompt, 2), "n")
+    first_model(mx.array([list(prompt)]), cache=state.caches)
+    first.publish(request, "n", prompt, state.caches)
+    first.release(request)
+    assert first.close().durable
+    other = KvCacheService.for_mlx(other_model, ram_bytes=8 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 26,
+                                   config=other_config)
+    assert other.report().saved_entries == 0
+    assert other.acquire(Request(prompt + (1,), 2), "n").reused_tokens == 0
