@@ -72,9 +72,19 @@ def _check_budget(state: ServiceState, request: Request, need: int) -> None:
     budget = state.config.kv_budget_bytes
     if budget is not None and need > budget:
         raise OverBudget(
-            f"request needs ~{need / 1e9:.3f} GB of KV (prompt {len(request.prompt)} + max_tokens "
+            f"request needs {_size(need)} of KV (prompt {len(request.prompt)} + max_tokens "
             f"{request.max_tokens} on {state.config.model.name}), over the whole KV budget of "
-            f"{budget / 1e9:.3f} GB on its own; lower max_tokens or raise the budget")
+            f"{_size(budget)} on its own; lower max_tokens or raise the budget")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for a message: exact below a KiB, else three significant digits in binary units."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        nbytes /= 1024
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.3g} {unit}"
 
 
 def _open(state: ServiceState, what: str) -> None:
