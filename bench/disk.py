@@ -1,0 +1,113 @@
+"""Disk tier throughput: spill and restore of a saved entry against raw file I/O of the same bytes.
+
+Entries have the geometry of the 8B-like catalogue model (32 layers, 8 KV heads
+x 128, bf16: 128 KiB per token): 64 MB is 512 tokens, 512 MB is 4,096. In one
+run, for each size:
+
+- spill: encode + atomic commit through the disk store, against writing the
+  same bytes to a file and fsyncing it;
+- restore: reading the entry back into mlx-lm caches (with and without hash
+  verification), against reading the same file's bytes;
+- clone: the RAM copy ``acquire`` makes, against a numpy copy of the same bytes.
+
+Ratios are store time / raw time (1.0 = as fast as the raw operation). Reads
+come from the page cache: the file was just written.
+
+    python bench/disk.py [--sizes-mb 64,512] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from kvstate.effects import DiskKey
+from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+from kvstate.models import model_spec
+
+SPEC = model_spec("llama-3.1-8b")
+
+
+def caches_of(tokens: int) -> list:
+    layer = SPEC.layers[0]
+    out = []
+    for _ in SPEC.layers:
+        cache = KVCache()
+        keys = mx.random.normal((1, layer.kv_heads, tokens, layer.head_dim)).astype(mx.bfloat16)
+        cache.update_and_fetch(keys, keys)
+        out.append(cache)
+    mx.eval(mlx_caches.arrays_of(out))
+    return out
+
+
+def best(call, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(megabytes: int, repeat: int, directory: str) -> dict[str, float]:
+    tokens = megabytes * (1 << 20) // SPEC.bytes_per_token
+    caches = caches_of(tokens)
+    nbytes = mlx_caches.live_bytes(caches)
+    store = DiskStore(directory, StoreIdentity("bench", "none", f"bench-{megabytes}"))
+    quick = DiskStore(directory, StoreIdentity("bench", "none", f"bench-{megabytes}"), verify=False)
+    key = DiskKey("bench", tuple(range(tokens)))
+    spill = best(lambda: store.commit(store.encode_prefix(key, caches, True, nbytes)), repeat)
+    raw_bytes = np.concatenate([np.asarray(mx.view(a, mx.uint8)).reshape(-1) for a in mlx_caches.arrays_of(caches)])
+    raw_path = os.path.join(directory, f"raw-{megabytes}")
+
+    def raw_write():
+        with open(raw_path, "wb") as out:
+            out.write(memoryview(raw_bytes))
+            out.flush()
+            os.fsync(out.fileno())
+    write = best(raw_write, repeat)
+
+    def restore(s):
+        loaded = s.read_prefix(key)
+        mx.eval(mlx_caches.arrays_of(loaded))
+    verified = best(lambda: restore(store), repeat)
+    unverified = best(lambda: restore(quick), repeat)
+
+    def raw_read():
+        with open(raw_path, "rb") as file:
+            file.read()
+    read = best(raw_read, repeat)
+    clone = best(lambda: mx.eval(mlx_caches.arrays_of(mlx_caches.clone(caches, tokens))), repeat)
+    copy = best(lambda: raw_bytes.copy(), repeat)
+    return {"MB": nbytes / 1e6, "spill": spill, "raw write+fsync": write, "restore (verified)": verified,
+            "restore (no verify)": unverified, "raw read": read, "clone": clone, "numpy copy": copy}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", default="64,512")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        rows = [measure(int(size), args.repeat, directory) for size in args.sizes_mb.split(",")]
+    print("ratios: kvstate time / raw time in the same run (lower is better; 1.0 = as fast as raw)")
+    print(f"{'entry':>10} {'spill/write':>12} {'restore/read':>13} {'restore no-verify/read':>23} {'clone/copy':>11}")
+    for row in rows:
+        print(f"{row['MB']:>8.0f}MB {row['spill'] / row['raw write+fsync']:>12.2f} "
+              f"{row['restore (verified)'] / row['raw read']:>13.2f} "
+              f"{row['restore (no verify)'] / row['raw read']:>23.2f} {row['clone'] / row['numpy copy']:>11.2f}")
+    print("seconds:")
+    for row in rows:
+        print("  " + ", ".join(f"{k} {v:.3f}" if k != "MB" else f"{v:.0f} MB" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()
