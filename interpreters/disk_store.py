@@ -157,7 +157,8 @@ class SavedFile:
 class DiskStore:
     """Saved prefixes and checkpoints of one model identity under ``root``."""
 
-    def __init__(self, root: str | os.PathLike, identity: StoreIdentity, *, verify: bool = True):
+    def __init__(self, root: str | os.PathLike, identity: StoreIdentity, *, verify: bool = True,
+                 budget: Any = None):
         self.root = Path(root)
         self.identity = identity
         self.verify = verify
@@ -165,6 +166,17 @@ class DiskStore:
         self.rejected_directory = self.directory / "rejected"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.rejected: list[tuple[str, FailureReason]] = []
+        self.budget = budget
+        if budget is not None:
+            budget.attach(self.directory)
+            budget.reclaim()  # a lowered budget, or another process's leftovers, take effect now
+
+    def close(self) -> None:
+        """This store is idle from now on: its files count against the root budget and may be evicted."""
+        if self.budget is not None:
+            self.budget.detach(self.directory)
+            self.budget.reclaim()
+            self.budget = None
 
     # ------------------------------------------------------------ names
 

@@ -133,6 +133,11 @@ class MlxInterpreter:
         """Completions of writes finished since the last poll."""
         return self._writer.poll() if self._writer is not None else []
 
+    def close(self) -> None:
+        """The service closed: release the store's hold on the saved-state root."""
+        if self.store is not None:
+            self.store.close()
+
     def ram_caches(self, entry: int) -> list:
         """The caches kept as RAM ``entry`` (for checks)."""
         return self._ram[entry]

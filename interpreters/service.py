@@ -91,6 +91,7 @@ class KvCacheService:
                 disk_dir: str | None = None, disk_bytes: int | None = None, name: str = "model",
                 config: dict | None = None, tokenizer: Any = None, spec: ModelSpec | None = None,
                 verify: bool = True, background_writes: bool = True, policy: str = "lru",
+                root_budget: Any = None,
                 pressure: Callable[[int], bool] | None = None, **options: Any) -> "KvCacheService":
         """A service on the MLX interpreter for a loaded mlx-lm ``model``.
 
@@ -98,7 +99,10 @@ class KvCacheService:
         every saved file carries is the model fingerprint (weights and
         ``config``), the tokenizer hash and the geometry. ``disk_dir`` with
         ``disk_bytes`` enables the disk tier; ``verify`` checks content hashes
-        on every restore.
+        on every restore. ``root_budget`` (a
+        :class:`~kvstate.interpreters.disk_budget.RootBudget` over ``disk_dir``)
+        shares one byte budget among every store under that root: idle
+        directories are evicted to fit when this service starts and closes.
         """
         from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
         from kvstate.interpreters.mlx_interpreter import MlxInterpreter
@@ -112,7 +116,7 @@ class KvCacheService:
         if disk_dir is not None:
             if disk_bytes is None:
                 raise InvalidConfig("disk_dir needs disk_bytes: the byte budget of the disk tier")
-            store = DiskStore(disk_dir, identity, verify=verify)
+            store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget)
         elif disk_bytes is not None:
             raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
         service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
@@ -282,7 +286,12 @@ class KvCacheService:
 
     def close(self) -> FlushResult:
         """Flush, then clear RAM state; a second close returns the first one's result."""
-        return self._run(ev.Close())
+        with self._lock:
+            result = self._run(ev.Close())
+            closed = getattr(self._interpreter, "close", None)
+            if closed is not None:
+                closed()  # idempotent: releases what the interpreter holds (the saved-state root's lease)
+            return result
 
     def __enter__(self) -> "KvCacheService":
         return self

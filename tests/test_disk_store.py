@@ -182,3 +182,32 @@ def test_another_model_finds_nothing_of_the_first(tmp_path):
                                    config=other_config)
     assert other.report().saved_entries == 0
     assert other.acquire(Request(prompt + (1,), 2), "n").reused_tokens == 0
+
+
+def test_stores_under_one_root_share_its_budget(tmp_path):
+    from kvstate.interpreters.disk_budget import RootBudget, directory_bytes
+
+    def save(store, count):
+        for i in range(count):
+            caches = [filled(KVCache(), 64)]
+            store.commit(store.encode_prefix(DiskKey("n", tuple(range(i, i + 64))), caches, True, 0))
+
+    probe = DiskStore(tmp_path / "probe", IDENTITY)
+    save(probe, 1)
+    one_file = directory_bytes(probe.directory)
+    budget = RootBudget(tmp_path / "root", 5 * one_file)
+    first = DiskStore(budget.root, StoreIdentity("model-a", "t", "cfg-a"), budget=budget)
+    save(first, 4)
+    second = DiskStore(budget.root, StoreIdentity("model-b", "t", "cfg-b"), budget=budget)
+    save(second, 4)
+    assert budget.used_bytes() == 8 * one_file
+    assert budget.reclaim() == 0  # both live: neither is touched, whatever the total
+    first.close()  # idle from here: evicted down to the budget, oldest first
+    assert budget.used_bytes() <= 5 * one_file
+    assert directory_bytes(second.directory) == 4 * one_file
+    assert directory_bytes(first.directory) == one_file
+    third = DiskStore(budget.root, StoreIdentity("model-c", "t", "cfg-c"), budget=budget)
+    save(third, 1)
+    second.close()
+    third.close()
+    assert budget.used_bytes() <= 5 * one_file

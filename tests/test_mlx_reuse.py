@@ -157,3 +157,34 @@ def test_a_checkpoint_resumes_in_a_fresh_service(tmp_path):
     resumed_service.release(again, completed=True)
     assert resumed_service.flush().durable
     assert not list(tmp_path.rglob("checkpoint-*.safetensors"))
+
+
+CHILD = """
+import sys, mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from kvstate import KvCacheService, Request, Source
+from kvstate.models.reference import build
+directory, name = sys.argv[1], sys.argv[2]
+model, config = build(name, seed=12)
+service = KvCacheService.for_mlx(model, ram_bytes=8 << 20, disk_dir=directory, disk_bytes=64 << 20, config=config)
+prompt = tuple(range(5, 29)) + (7,)
+state = service.acquire(Request(prompt, 4), "n")
+assert (state.source, state.reused_tokens) == (Source.DISK, 24), (state.source, state.reused_tokens)
+ours = model(mx.array([list(prompt[24:])]), cache=state.caches)[0, -1]
+again = model(mx.array([list(prompt)]), cache=make_prompt_cache(model))[0, -1]
+print(float(mx.abs(ours - again).max()))
+"""
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_disk_hit_in_a_fresh_process(name, tmp_path):
+    import subprocess
+    import sys
+
+    model, config = build(name, seed=12)
+    service = service_for(model, config, tmp_path)
+    run(service, model, tuple(range(5, 29)))
+    assert service.close().durable
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), name], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert float(child.stdout.strip()) <= TOLERANCE
