@@ -123,6 +123,23 @@ class CloseSession(Event):
 
 
 @attrs.frozen
+class ObjectGet(Event):
+    """Hand out the tensor object kept under ``key`` into ``handle``, if any."""
+
+    key: str
+    handle: int
+
+
+@attrs.frozen
+class ObjectPut(Event):
+    """Offer the tensor object staged under ``handle`` (``nbytes``) for keeping under ``key``."""
+
+    key: str
+    handle: int
+    nbytes: int
+
+
+@attrs.frozen
 class ReportQuery(Event):
     """The counters."""
 

@@ -77,3 +77,16 @@ class GaveBack:
 
     entries: int
     nbytes: int
+
+
+@attrs.frozen
+class ObjectFound:
+    """``objects.get``: the object is in ``handle``, from RAM or disk."""
+
+    handle: int
+    source: Source
+
+
+@attrs.frozen
+class ObjectMissing:
+    """``objects.get``: nothing is kept under the key."""

@@ -23,6 +23,10 @@ class Report:
     session_misses: int
     #: Prompt tokens that acquires did not have to compute.
     prefill_tokens_saved: int
+    #: Tensor objects (encoder outputs): gets served from RAM or disk, gets that found nothing, reads from disk.
+    object_hits: int
+    object_misses: int
+    object_restores: int
     kept: int
     duplicates: int
     not_kept: int
@@ -66,7 +70,8 @@ def report(state: ServiceState) -> Report:
     return Report(
         entries=in_ram, bytes=ram_bytes, capacity_bytes=config.ram_capacity_bytes,
         hits=c.hits, misses=c.misses, session_hits=c.session_hits, session_misses=c.session_misses,
-        prefill_tokens_saved=c.prefill_tokens_saved, kept=c.kept, duplicates=c.duplicates, not_kept=c.not_kept,
+        prefill_tokens_saved=c.prefill_tokens_saved, object_hits=c.object_hits, object_misses=c.object_misses,
+        object_restores=c.object_restores, kept=c.kept, duplicates=c.duplicates, not_kept=c.not_kept,
         evictions=c.evictions, demotions=c.demotions,
         saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
         spills=c.spills, restores=c.restores, prefetches=c.prefetches, disk_evictions=c.disk_evictions,

@@ -226,6 +226,9 @@ class Counters:
     checkpoints_written: int = 0
     resumes: int = 0
     prefill_tokens_saved: int = 0
+    object_hits: int = 0
+    object_misses: int = 0
+    object_restores: int = 0
 
 
 EMPTY: immutables.Map = immutables.Map()
@@ -252,7 +255,7 @@ class ServiceState:
     reading: immutables.Map = EMPTY         # entry id -> restores in flight (pins its file)
     acquiring: immutables.Map = EMPTY       # handle -> lease id, for acquires waiting on a read
     checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
-    sessions: immutables.Map = EMPTY        # session id -> entry id it last kept
+    sessions: immutables.Map = EMPTY        # session id -> (namespace, tokens) it last kept
     counters: Counters = Counters()
     next_entry: int = 1
     now: float = 0.0
@@ -278,6 +281,18 @@ def check_namespace(namespace: object) -> str:
         raise InvalidNamespace(f"namespace {namespace!r} holds a path separator, NUL or is a dot name; "
                                f"use letters, digits, '-', '_', ':' or '.' inside a name")
     return namespace
+
+
+#: The namespace tensor objects live in. It holds a NUL, which no caller's namespace may, so objects
+#: and prefixes never meet; an object's "tokens" are the UTF-8 bytes of its key.
+OBJECTS = "\x00objects"
+
+
+def object_tokens(key: str) -> tuple[int, ...]:
+    """The exact-match key of a tensor object, as the token tuple the indexes hold."""
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest(f"an object key must be a non-empty string, got {key!r}")
+    return tuple(key.encode())
 
 
 def content_tag(namespace: str, tokens: tuple[int, ...]) -> int:

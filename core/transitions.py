@@ -29,12 +29,14 @@ from kvstate.core.errors import (
     RequestKeepsNoState, ServiceClosed, TokensDoNotMatchCaches,
 )
 from kvstate.core.prefix_index import common_prefix
-from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, Source
+from kvstate.core.replies import (
+    Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, ObjectMissing, Source,
+)
 from kvstate.core.report import report
 from kvstate.core.request import Request
 from kvstate.core.state import (
-    EMPTY, IN_RAM, Entry, Lease, Move, Phase, Residence, ServiceState, CheckpointRecord, check_namespace,
-    content_tag, moved, request_check,
+    EMPTY, IN_RAM, OBJECTS, Entry, Lease, Move, Phase, Residence, ServiceState, CheckpointRecord, check_namespace,
+    content_tag, moved, object_tokens, request_check,
 )
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
@@ -342,8 +344,13 @@ def _session_entry(state: ServiceState, request: Request, namespace: str) -> Ent
     """The entry ``request``'s session last kept, if it is still held in ``namespace``."""
     if request.session_id is None:
         return None
-    entry = state.entries.get(state.sessions.get(request.session_id))
-    return entry if entry is not None and entry.namespace == namespace else None
+    kept = state.sessions.get(request.session_id)
+    if kept is None or kept[0] != namespace:
+        return None
+    entry_id = state.ram.exact(*kept)
+    if entry_id is None and state.config.has_disk:
+        entry_id = state.disk.exact(*kept)
+    return state.entries.get(entry_id) if entry_id is not None else None
 
 
 def _finish_acquire(state: ServiceState, lease_id: int, handle: int, reused: int, source: Source,
@@ -358,7 +365,9 @@ def _finish_acquire(state: ServiceState, lease_id: int, handle: int, reused: int
         state = _count(state, hits=int(hit), misses=int(not hit), prefill_tokens_saved=reused)
         session = lease.request.session_id
         if session is not None and session in state.sessions and source is not Source.CHECKPOINT:
-            own = entry is not None and state.sessions[session] == entry
+            source_entry = state.entries.get(entry) if entry is not None else None
+            own = source_entry is not None and state.sessions[session] == (source_entry.namespace,
+                                                                           source_entry.tokens)
             state = _count(state, session_hits=int(own), session_misses=int(not own))
     return Step(state, tuple(out), Acquired(lease_id, handle, reused, source, resumed, resumed_tokens))
 
@@ -369,6 +378,11 @@ def _restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     if waiting is None:
         return Step(state, (fx.DropPublished(e.handle),), None)
     lease_id, length = waiting
+    if lease_id is None:  # an object read from disk
+        entry = state.entries.get(e.entry)
+        state = attrs.evolve(state, acquiring=_without(state.acquiring, e.handle))
+        state = _count(_touch(state, entry, disk=True) if entry else state, object_hits=1, object_restores=1)
+        return Step(state, (), ObjectFound(e.handle, Source.DISK))
     entry = state.entries.get(e.entry)
     if entry is not None:
         state = _touch(state, entry, disk=True)
@@ -402,6 +416,8 @@ def _restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
         return Step(state, tuple(out), None)
     lease_id = waiting[0]
     state = attrs.evolve(state, acquiring=_without(state.acquiring, e.handle))
+    if lease_id is None:  # an object whose file was rejected: a miss
+        return Step(_count(state, object_misses=1), tuple(out), ObjectMissing())
     return _plan_acquire(state, lease_id, e.handle, out)
 
 
@@ -454,40 +470,48 @@ def _publish(state: ServiceState, e: ev.Publish) -> Step:
                                      f"publish exactly the tokens the caches hold")
     if e.nbytes < 0:
         raise InvalidRequest(f"caches report {e.nbytes} bytes")
-    existing = state.ram.exact(namespace, e.tokens)
+    protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
+    return _keep(state, namespace, e.tokens, e.handle, e.nbytes, e.trimmable, request.session_id, protected,
+                 notify=True)
+
+
+def _keep(state: ServiceState, namespace: str, tokens: tuple[int, ...], handle: int, nbytes: int,
+          trimmable: bool, session: str | None, protected: bool, notify: bool) -> Step:
+    """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it."""
+    existing = state.ram.exact(namespace, tokens)
     if existing is not None:
         state = _count(_touch(state, state.entries[existing]), duplicates=1)
-        if request.session_id is not None:
-            state = attrs.evolve(state, sessions=state.sessions.set(request.session_id, existing))
-        return Step(state, (fx.DropPublished(e.handle),), Kept(existing, duplicate=True))
+        if session is not None:
+            state = attrs.evolve(state, sessions=state.sessions.set(session, (namespace, tokens)))
+        return Step(state, (fx.DropPublished(handle),), Kept(existing, duplicate=True))
     out: list = []
-    room = _make_ram_room(state, e.nbytes, out)
+    room = _make_ram_room(state, nbytes, out)
     if room is None:
-        reason = NotKeptReason.TOO_LARGE if e.nbytes > state.config.ram_capacity_bytes else NotKeptReason.NO_ROOM
-        return Step(_count(state, not_kept=1), (fx.DropPublished(e.handle),), NotKept(reason))
+        reason = NotKeptReason.TOO_LARGE if nbytes > state.config.ram_capacity_bytes else NotKeptReason.NO_ROOM
+        return Step(_count(state, not_kept=1), (fx.DropPublished(handle),), NotKept(reason))
     state = room
-    saved = state.disk.exact(namespace, e.tokens) if state.config.has_disk else None
+    saved = state.disk.exact(namespace, tokens) if state.config.has_disk else None
     if saved is not None and state.entries[saved].residence is R.PREFETCHING:
-        out.append(fx.DropPublished(e.handle))
+        out.append(fx.DropPublished(handle))
         return Step(_count(state, duplicates=1), tuple(out), Kept(saved, duplicate=True))
     if saved is not None:
         entry = state.entries[saved]
         entry = attrs.evolve(entry, residence=moved(entry.residence, Move.ADOPT), last_used=state.now)
         state = _insert_ram(_set_entry(state, entry), entry)
         state = attrs.evolve(state, ram_bytes=state.ram_bytes + entry.nbytes)
-        out.append(fx.AdoptPublished(e.handle, entry.id))
+        out.append(fx.AdoptPublished(handle, entry.id))
     else:
-        protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
-        entry = Entry(state.next_entry, namespace, e.tokens, e.nbytes, e.trimmable, R.RAM, state.now,
-                      request.session_id, protected, content_tag(namespace, e.tokens))
-        state = attrs.evolve(_set_entry(state, entry), next_entry=entry.id + 1, ram_bytes=state.ram_bytes + e.nbytes)
+        entry = Entry(state.next_entry, namespace, tokens, nbytes, trimmable, R.RAM, state.now,
+                      session, protected, content_tag(namespace, tokens))
+        state = attrs.evolve(_set_entry(state, entry), next_entry=entry.id + 1, ram_bytes=state.ram_bytes + nbytes)
         state = _insert_ram(state, entry)
-        out.append(fx.AdoptPublished(e.handle, entry.id))
+        out.append(fx.AdoptPublished(handle, entry.id))
         if state.config.has_disk and state.config.write_behind:
             state = _start_spill(state, entry, out)
-    if request.session_id is not None:
-        state = attrs.evolve(state, sessions=state.sessions.set(request.session_id, entry.id))
-    out.append(fx.NotifyKept(fx.DiskKey(namespace, e.tokens)))
+    if session is not None:
+        state = attrs.evolve(state, sessions=state.sessions.set(session, (namespace, tokens)))
+    if notify:
+        out.append(fx.NotifyKept(fx.DiskKey(namespace, tokens)))
     return Step(_count(state, kept=1), tuple(out), Kept(entry.id))
 
 
@@ -514,6 +538,36 @@ def _spill_failed(state: ServiceState, e: done.SpillFailed) -> Step:
                          disk_bytes=state.disk_bytes - entry.nbytes)
     failed = attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), demote=False)
     return Step(_count(_set_entry(state, failed), failed_writes=1), (), None)
+
+
+# ---------------------------------------------------------------- tensor objects
+
+
+def _object_get(state: ServiceState, e: ev.ObjectGet) -> Step:
+    """An exact-key object: a copy from RAM, else a read from disk, else a miss."""
+    _open(state, "objects.get")
+    tokens = object_tokens(e.key)
+    entry_id = state.ram.exact(OBJECTS, tokens)
+    if entry_id is not None:
+        entry = state.entries[entry_id]
+        state = _count(_touch(state, entry), object_hits=1)
+        return Step(state, (fx.CloneEntry(entry_id, len(tokens), e.handle),), ObjectFound(e.handle, Source.RAM))
+    entry_id = state.disk.exact(OBJECTS, tokens) if state.config.has_disk else None
+    if entry_id is not None:
+        entry = state.entries[entry_id]
+        state = attrs.evolve(state, reading=state.reading.set(entry_id, state.reading.get(entry_id, 0) + 1),
+                             acquiring=state.acquiring.set(e.handle, (None, len(tokens))))
+        return Step(state, (fx.RestoreEntry(entry_id, fx.DiskKey(OBJECTS, tokens), len(tokens), e.handle),), None)
+    return Step(_count(state, object_misses=1), (), ObjectMissing())
+
+
+def _object_put(state: ServiceState, e: ev.ObjectPut) -> Step:
+    """Keep an object under the prefixes' RAM budget and policy, spilled like them."""
+    _open(state, "objects.put")
+    tokens = object_tokens(e.key)
+    if state.config.ram_capacity_bytes == 0:
+        return Step(_count(state, not_kept=1), (fx.DropPublished(e.handle),), NotKept(NotKeptReason.TOO_LARGE))
+    return _keep(state, OBJECTS, tokens, e.handle, e.nbytes, False, None, protected=False, notify=False)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -611,13 +665,24 @@ def _boundary(state: ServiceState, e: ev.Boundary) -> Step:
         return Step(state, (), GaveBack(0, 0))
     # The policy names the victim; its own bookkeeping follows the entry's fate in _give_back
     # (an entry that starts spilling stays known to the policy, pinned until its write settles).
-    _, victim = state.strategy.evict(state.ram_policy, _ram_candidate(state, True))
+    _, victim = state.strategy.evict(state.ram_policy, _ram_candidate(state, False))
+    if victim is None:  # protected entries go last
+        _, victim = state.strategy.evict(state.ram_policy, _ram_candidate(state, True))
     if victim is None:
         return Step(state, (), GaveBack(0, 0))
     entry = state.entries[victim]
     out: list = []
     state = _give_back(state, entry, out)
     return Step(state, tuple(out), GaveBack(1, entry.nbytes))
+
+
+def optional_bytes(state: ServiceState) -> int:
+    """Memory optional state holds, as memory pressure sees it: kept RAM entries (less those already
+    being given back: their RAM copy goes once their write is durable), plus checkpoint writes queued.
+    A spill in flight is the RAM entry's own memory, so it is not counted twice."""
+    releasing = sum(e.nbytes for e in state.entries.values() if e.demote and e.residence is R.SPILLING)
+    checkpoints = sum(record.pending_bytes for record in state.checkpoints.values())
+    return state.ram_bytes - releasing + checkpoints
 
 
 def _tick(state: ServiceState, e: ev.Tick) -> Step:
@@ -760,7 +825,7 @@ def _scanned(state: ServiceState, e: ev.Scanned) -> Step:
     if capacity is None:
         return Step(state, (), None)
     for record in e.records:
-        namespace = check_namespace(record.namespace)
+        namespace = record.namespace if record.namespace == OBJECTS else check_namespace(record.namespace)
         if state.disk.exact(namespace, record.tokens) is not None:
             continue
         if state.disk_bytes + record.nbytes > capacity:
@@ -792,6 +857,8 @@ _HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.PeekPrefixLen: _peek,
     ev.CloseSession: _close_session,
     ev.ReportQuery: _report,
+    ev.ObjectGet: _object_get,
+    ev.ObjectPut: _object_put,
     ev.Flush: _flush,
     ev.Close: _close,
     ev.Scanned: _scanned,

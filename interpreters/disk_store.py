@@ -34,6 +34,7 @@ import numpy as np
 
 from kvstate.core.errors import StorageError
 from kvstate.core.events import SavedRecord
+from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason
 from kvstate.effects.effects import CheckpointMeta, DiskKey
 from kvstate.interpreters.mlx_caches import codec_named, codec_of
@@ -367,4 +368,4 @@ class DiskStore:
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every saved prefix, from headers alone."""
-        return [(r.namespace, r.tokens) for r in self.scan()[0]]
+        return [(r.namespace, r.tokens) for r in self.scan()[0] if r.namespace != OBJECTS]

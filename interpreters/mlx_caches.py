@@ -217,8 +217,40 @@ class CacheListCodec:
         return CacheList(*parts)
 
 
+class TensorObject:
+    """A tensor object kept by exact key (an encoder's output): named arrays, stored like a one-layer cache."""
+
+    def __init__(self, arrays: dict[str, mx.array]):
+        if not isinstance(arrays, dict) or not arrays or not all(
+                isinstance(k, str) and k and "." not in k and isinstance(v, mx.array) for k, v in arrays.items()):
+            raise InvalidRequest("an object is a non-empty dict of mx.array under names without dots")
+        self.arrays = dict(arrays)
+
+
+class TensorObjectCodec:
+    cls = TensorObject
+
+    def covered(self, cache: TensorObject) -> int | None:
+        return None
+
+    def live_bytes(self, cache: TensorObject) -> int:
+        return sum(a.nbytes for a in cache.arrays.values())
+
+    def trimmable(self, cache: TensorObject) -> bool:
+        return False
+
+    def clone(self, cache: TensorObject, n: int) -> TensorObject:
+        return TensorObject({name: mx.array(a) for name, a in cache.arrays.items()})
+
+    def save(self, cache: TensorObject) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        return dict(cache.arrays), {"names": sorted(cache.arrays)}
+
+    def load(self, arrays: dict[str, mx.array], meta: dict[str, Any]) -> TensorObject:
+        return TensorObject({name: arrays[name] for name in meta["names"]})
+
+
 CODECS = {codec.cls: codec for codec in (KVCodec(), RotatingCodec(), QuantizedCodec(), ArraysCodec(),
-                                         CacheListCodec())}
+                                         CacheListCodec(), TensorObjectCodec())}
 _BY_NAME = {cls.__name__: codec for cls, codec in CODECS.items()}
 
 

@@ -111,6 +111,18 @@ class MlxInterpreter:
         self._handles[handle] = caches
         return facts
 
+    def stage_object(self, handle: int, arrays: object) -> int:
+        """Hold a tensor object (a dict of arrays) under ``handle``; its bytes."""
+        payload = [mlx_caches.TensorObject(arrays)]
+        self._handles[handle] = payload
+        return mlx_caches.live_bytes(payload)
+
+    def take_object(self, handle: int) -> dict:
+        return self._handles.pop(handle)[0].arrays
+
+    def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [] if self.store is None else self.store.saved_prefixes()
+
     def unstage(self, handle: int) -> object:
         return self._handles.pop(handle, None)
 

@@ -20,16 +20,54 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.errors import UnknownRequest
-from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, Source
+from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, ObjectFound, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import InvalidConfig, ServiceConfig, ServiceState, check_namespace, initial_state, request_check
-from kvstate.core.transitions import step
+from kvstate.core.transitions import optional_bytes, step
 from kvstate.effects.effects import CheckpointMeta
 from kvstate.models.catalogue import model_spec
 from kvstate.models.spec import ModelSpec
 
 DEFAULT_NAMESPACE = "default"
+
+
+@attrs.frozen(eq=False)
+class ObjectHit:
+    """A tensor object ``objects.get`` found: a copy the caller owns, and where it came from."""
+
+    value: Any
+    source: Source
+
+
+class ObjectCache:
+    """Exact-key tensor objects (an encoder's output for one prepared image, say) under the prefixes'
+    RAM budget, policy and disk tier."""
+
+    def __init__(self, service: "KvCacheService"):
+        self._service = service
+
+    def get(self, key: str) -> ObjectHit | None:
+        """The object kept under ``key`` (from RAM, else read from disk), or None for a miss."""
+        service = self._service
+        with service._lock:
+            handle = next(service._handles)
+            reply = service._run(ev.ObjectGet(key, handle))
+            if not isinstance(reply, ObjectFound):
+                return None
+            return ObjectHit(service._interpreter.take_object(reply.handle), reply.source)
+
+    def put(self, key: str, value: Any) -> bool:
+        """Offer ``value`` for keeping under ``key``; True if kept. On an error the caller keeps it."""
+        service = self._service
+        with service._lock:
+            handle = next(service._handles)
+            nbytes = service._interpreter.stage_object(handle, value)
+            try:
+                return isinstance(service._run(ev.ObjectPut(key, handle, nbytes)), Kept)
+            except BaseException:
+                service._interpreter.unstage(handle)
+                raise
 
 
 @attrs.frozen(eq=False)
@@ -257,8 +295,7 @@ class KvCacheService:
                     break
 
     def _held_bytes(self) -> int:
-        state = self._state
-        return max(state.ram_bytes, state.pending_write_bytes)
+        return optional_bytes(self._state)
 
     def tick(self, now: float) -> None:
         """The clock reads ``now`` seconds: entries idle past the demotion threshold move to disk."""
@@ -275,6 +312,20 @@ class KvCacheService:
     def close_session(self, session_id: str) -> None:
         """Drop a session's affinity; its state stays reusable."""
         self._run(ev.CloseSession(session_id))
+
+    @property
+    def objects(self) -> ObjectCache:
+        """Exact-key tensor objects under the same budget and disk tier as prefixes."""
+        return ObjectCache(self)
+
+    def on_put(self, observe: Callable[[tuple[int, ...], str], None]) -> None:
+        """Call ``observe(tokens, namespace)`` for every prefix the service keeps (a router's index)."""
+        self._interpreter.observers.append(observe)
+
+    def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(namespace, tokens)`` of every prefix saved state holds, read from headers alone."""
+        with self._lock:
+            return self._interpreter.saved_prefixes()
 
     def report(self) -> Report:
         """The counters, as one frozen record."""

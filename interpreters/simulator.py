@@ -58,6 +58,17 @@ class SimCaches:
         return SimCaches(self.tokens[:length], self.model)
 
 
+@attrs.frozen(eq=False)
+class SimObject:
+    """A simulated tensor object: any payload, with the bytes it stands for."""
+
+    payload: object
+    nbytes: int
+
+    def trimmed(self, length: int) -> "SimObject":
+        return self
+
+
 @attrs.frozen
 class CacheFacts:
     """What an interpreter measures of caches a caller hands in (``covered`` None: the caches cannot tell)."""
@@ -87,6 +98,7 @@ class SimFile:
     trimmable: bool
     content: tuple[int, ...] = attrs.field(repr=False)
     corrupt: bool = False
+    payload: SimObject | None = attrs.field(default=None, repr=False)
 
 
 @attrs.define
@@ -171,6 +183,21 @@ class SimulatorInterpreter:
             raise InvalidRequest(f"the simulator takes SimCaches of {self.model.name}, got {type(caches).__name__}")
         self._handles[handle] = caches
         return CacheFacts(len(caches.tokens), caches.nbytes, caches.trimmable)
+
+    def stage_object(self, handle: int, obj: object) -> int:
+        """Hold a tensor object under ``handle``; its bytes."""
+        if not isinstance(obj, SimObject) or not isinstance(obj.nbytes, int) or obj.nbytes < 0:
+            raise InvalidRequest(f"the simulator keeps SimObject values, got {type(obj).__name__}")
+        self._handles[handle] = obj
+        return obj.nbytes
+
+    def take_object(self, handle: int) -> SimObject:
+        return self._handles.pop(handle)
+
+    def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(namespace, tokens)`` of every saved prefix of this identity."""
+        return [(f.namespace, f.tokens) for f in self.disk.files.values()
+                if f.identity == self.identity and f.payload is None]
 
     def unstage(self, handle: int) -> object:
         """Give back caches staged under ``handle`` (the call that staged them failed)."""
@@ -271,8 +298,10 @@ class SimulatorInterpreter:
         self.stats.bytes_written += e.nbytes
         self.stats.write_seconds += e.nbytes / self.cost.write_bytes_per_second
         if isinstance(e, fx.SpillEntry):
+            is_object = isinstance(caches, SimObject)
             self.disk.files[e.key] = SimFile(self.identity, e.key.namespace, e.key.tokens, e.nbytes, e.trimmable,
-                                             caches.tokens)
+                                             e.key.tokens if is_object else caches.tokens,
+                                             payload=caches if is_object else None)
             return done.SpillDone(e.entry)
         self.disk.checkpoints[e.meta.key] = (e.meta, caches.tokens, self.identity)
         return done.CheckpointWritten(e.meta.key, len(caches.tokens))
@@ -297,14 +326,14 @@ class SimulatorInterpreter:
         file = self._read(e.key)
         if isinstance(file, Reason):
             return [done.RestoreFailed(e.entry, e.handle, file)]
-        self._handles[e.handle] = SimCaches(file.content, self.model).trimmed(e.tokens)
+        self._handles[e.handle] = file.payload or SimCaches(file.content, self.model).trimmed(e.tokens)
         return [done.RestoreDone(e.entry, e.handle)]
 
     def _prefetch_entry(self, e: fx.PrefetchEntry) -> list:
         file = self._read(e.key)
         if isinstance(file, Reason):
             return [done.PrefetchFailed(e.entry, file)]
-        self._ram[e.entry] = SimCaches(file.content, self.model)
+        self._ram[e.entry] = file.payload or SimCaches(file.content, self.model)
         return [done.PrefetchDone(e.entry)]
 
     def _delete_file(self, e: fx.DeleteFile) -> list:

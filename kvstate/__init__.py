@@ -13,13 +13,14 @@ from kvstate.core.errors import (
     RequestAlreadyAcquired, RequestKeepsNoState, ServiceClosed, StorageError, TokensDoNotMatchCaches,
     UnknownRequest, UsageError,
 )
+from kvstate.core import retention
 from kvstate.core.policies import POLICIES, UnknownPolicy
 from kvstate.core.replies import FlushResult, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Continuation, Request
 from kvstate.core.state import InvalidConfig, ServiceConfig
-from kvstate.interpreters.service import AcquiredState, KvCacheService
-from kvstate.interpreters.simulator import CostModel, FaultPlan, SimCaches, SimDisk, SimulatedCrash
+from kvstate.interpreters.service import AcquiredState, KvCacheService, ObjectHit
+from kvstate.interpreters.simulator import CostModel, FaultPlan, SimCaches, SimDisk, SimObject, SimulatedCrash
 from kvstate.models import CATALOGUE, KvScheme, LayerKind, LayerSpec, ModelSpec, UnknownModel, model_spec
 
 try:
@@ -28,7 +29,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
 __all__ = [
-    "KvCacheService", "AcquiredState", "Request", "Continuation", "ServiceConfig", "Report", "FlushResult",
+    "KvCacheService", "AcquiredState", "ObjectHit", "SimObject", "retention", "Request", "Continuation", "ServiceConfig", "Report", "FlushResult",
     "Source", "POLICIES",
     "KvStateError", "UsageError", "StorageError", "InvalidRequest", "InvalidNamespace", "InvalidConfig",
     "ContextLimitExceeded", "OverBudget", "UnknownRequest", "RequestAlreadyAcquired", "RequestKeepsNoState",
