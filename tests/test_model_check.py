@@ -2,8 +2,9 @@
 
 ``ExactServiceMachine`` runs RAM-only with FIFO eviction, where a naive
 reference (an ordered dict under a byte capacity) predicts exactly what is
-held, so every acquire must reuse exactly what the reference says
-(invariant 3) and every session hit and miss is predicted.
+held, prefixes and tensor objects alike, so every acquire must reuse exactly
+what the reference says (invariant 3), every object get must hit exactly when
+the reference holds it, and every session hit and miss is predicted.
 
 ``TieredServiceMachine`` adds the disk tier with writes that complete later,
 injected write failures, corrupted files, idle demotion, pressure, prefetch,
@@ -25,9 +26,9 @@ from hypothesis.stateful import (
 
 from kvstate import (
     ContextLimitExceeded, KvCacheService, LayerKind, LayerSpec, ModelSpec, OverBudget, POLICIES, Request,
-    RequestKeepsNoState,
+    RequestKeepsNoState, SimObject,
 )
-from kvstate.core.state import IN_RAM, Residence
+from kvstate.core.state import IN_RAM, OBJECTS, Residence
 from kvstate.effects import DiskKey
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from tests.reference import NaiveFifoPrefixCache, attention_bytes, longest_usable, usable
@@ -198,7 +199,11 @@ class BaseMachine(RuleBasedStateMachine):
         assert sum(e.nbytes for e in in_ram) <= RAM
         assert state.ram_bytes <= RAM
         for entry in in_ram:
-            assert self.service.interpreter.ram_content(entry.id).tokens == entry.tokens
+            content = self.service.interpreter.ram_content(entry.id)
+            if entry.namespace == OBJECTS:
+                assert content.payload == bytes(entry.tokens).decode()
+            else:
+                assert content.tokens == entry.tokens
 
     def teardown(self):
         if not hasattr(self, "service"):
@@ -219,6 +224,7 @@ class ExactServiceMachine(BaseMachine):
         self.reference = NaiveFifoPrefixCache(RAM)
         self.sessions: dict[str, tuple] = {}
         self.session_hits = self.session_misses = 0
+        self.object_hits = self.object_misses = 0
 
     @initialize(hybrid=st.booleans())
     def build(self, hybrid):
@@ -251,6 +257,21 @@ class ExactServiceMachine(BaseMachine):
         while self.reference.items and self.reference.held_bytes > limit:
             self.reference.drop_oldest()
 
+    @rule(key=st.sampled_from(["img-a", "img-b", "img-c"]), nbytes=st.integers(1, RAM + 64))
+    def put_object(self, key, nbytes):
+        kept = self.service.objects.put(key, SimObject(key, nbytes))
+        assert kept == self.reference.put((OBJECTS, tuple(key.encode())), nbytes, False)
+
+    @rule(key=st.sampled_from(["img-a", "img-b", "img-c"]))
+    def get_object(self, key):
+        hit = self.service.objects.get(key)
+        held = (OBJECTS, tuple(key.encode())) in self.reference.items
+        assert (hit is not None) == held
+        if hit is not None:
+            assert hit.value.payload == key
+        self.object_hits += held
+        self.object_misses += not held
+
     @invariant()
     def held_prefixes_are_the_references(self):
         state = self.service.state
@@ -259,6 +280,7 @@ class ExactServiceMachine(BaseMachine):
         report = self.service.report()
         assert report.bytes == self.reference.held_bytes
         assert (report.session_hits, report.session_misses) == (self.session_hits, self.session_misses)
+        assert (report.object_hits, report.object_misses) == (self.object_hits, self.object_misses)
 
 
 class TieredServiceMachine(BaseMachine):
