@@ -45,6 +45,9 @@ class _Writer:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:  # stop()
+                self._jobs.task_done()
+                return
             try:
                 completion = job()
                 if completion is not None:
@@ -61,6 +64,12 @@ class _Writer:
     def drain(self) -> list:
         self._jobs.join()
         return self.poll()
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the thread."""
+        self._jobs.join()
+        self._jobs.put(None)
+        self._thread.join()
 
 
 class MlxInterpreter:
@@ -146,7 +155,11 @@ class MlxInterpreter:
         return self._writer.poll() if self._writer is not None else []
 
     def close(self) -> None:
-        """The service closed: release the store's hold on the saved-state root."""
+        """The service closed: stop the writer (its queue was drained by the close's flush) and release
+        the store's hold on the saved-state root. Idempotent."""
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         if self.store is not None:
             self.store.close()
 
