@@ -60,6 +60,62 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from kvstate.interpreters.lab import sweep as lab
+    from kvstate.interpreters.lab import traces
+    from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
+    from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, unbounded
+    from kvstate.interpreters.replay import TraceFormatError
+    from kvstate.interpreters.traces import bundled
+    from kvstate.models.catalogue import model_spec
+
+    if args.synthetic:
+        trace = traces.SYNTHETIC[args.synthetic](args.requests, seed=args.seed)
+        print(f"replaying {trace.name}: {len(trace.requests)} generated requests")
+    else:
+        path = args.trace or str(bundled())
+        try:
+            trace = traces.read(path)
+        except (OSError, TraceFormatError) as error:
+            print(f"kvstate simulate: cannot read the trace: {error}", file=sys.stderr)
+            return 2
+        if args.trace is None:
+            print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
+    if args.limit:
+        trace = traces.Trace(trace.name, trace.requests[:args.limit])
+    model = model_spec(args.model)
+    known = BLOCK_POLICIES if args.granularity == "block" else PREFIX_POLICIES
+    policies = [p.strip().lower() for p in (args.policy or ",".join(known)).split(",") if p.strip()]
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        print(f"kvstate simulate: {', '.join(unknown)} not available at {args.granularity} granularity; "
+              f"choose from: {', '.join(known)}", file=sys.stderr)
+        return 2
+    try:
+        capacities = [lab.parse_capacity(c, args.unit, trace, model) for c in args.capacity.split(",")]
+    except lab.BadCapacity as error:
+        print(f"kvstate simulate: {error}", file=sys.stderr)
+        return 2
+    print(f"{len(trace.requests)} requests, {trace.block_accesses} block accesses, {trace.unique_blocks} unique "
+          f"blocks; {args.granularity} granularity, model {model.name}, "
+          + (f"disk tier {args.disk / 1e9:.1f} GB" if args.disk else "no disk tier"))
+    try:
+        rows = lab.sweep(trace, policies, capacities, args.granularity, model, disk_bytes=args.disk,
+                         processes=args.processes, progress=sys.stderr.isatty() or args.progress)
+    except PolicyNotAtGranularity as error:
+        print(f"kvstate simulate: {error}", file=sys.stderr)
+        return 2
+    ceiling = unbounded(trace)
+    print(lab.table(rows, ceiling))
+    if args.json:
+        lab.write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    if args.plot:
+        lab.plot(rows, ceiling, args.plot, f"{trace.name}: {args.granularity} granularity, {model.name}")
+        print(f"wrote the plot to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstate", description="kvstate: the KV-cache state service for LLM inference on MLX.")
@@ -80,6 +136,34 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
     replay.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     replay.set_defaults(run=_replay)
+    simulate = commands.add_parser(
+        "simulate", help="the eviction lab: sweep policies and capacities over a trace",
+        description="Replay a trace through block caches (as paged engines keep KV) or through the service "
+                    "itself (whole prefixes, as the MLX interpreter keeps them) for every policy at every "
+                    "capacity, in parallel processes; print a table, and optionally write JSON and a plot.")
+    simulate.add_argument("trace", nargs="?",
+                          help="Mooncake or kvstate JSONL trace (default: the bundled conversation trace)")
+    simulate.add_argument("--policy", help="comma-separated: lru, fifo, lfu, s3fifo, sieve, gdsf, arc, belady "
+                                           "(default: every one the granularity has)")
+    simulate.add_argument("--capacity", default="0.01,0.03,0.1,0.3,1.0",
+                          help="comma-separated: counts in --unit (1000, 3M, 512K), sizes (20GB, 8GiB) or "
+                               "fractions of the trace's working set (0.1); default 0.01,0.03,0.1,0.3,1.0")
+    simulate.add_argument("--unit", choices=["blocks", "tokens", "bytes"], default="blocks",
+                          help="what plain capacity numbers count (default blocks of 512 tokens)")
+    simulate.add_argument("--granularity", choices=["block", "prefix"], default="block")
+    simulate.add_argument("--model", default="llama-3.1-8b", choices=sorted(CATALOGUE),
+                          help="geometry for bytes and the cost model (default llama-3.1-8b)")
+    simulate.add_argument("--disk", type=parse_bytes, default=None, help="a disk tier behind RAM, e.g. 2TB")
+    simulate.add_argument("--synthetic", choices=["chat", "agent", "rag"],
+                          help="generate a workload instead of reading a trace")
+    simulate.add_argument("--requests", type=int, default=5000, help="requests to generate (default 5000)")
+    simulate.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    simulate.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    simulate.add_argument("--processes", type=int, default=None, help="parallel runs (default: one per core)")
+    simulate.add_argument("--progress", action="store_true", help="show the progress bar even when not a tty")
+    simulate.add_argument("--json", help="write the rows as JSON here")
+    simulate.add_argument("--plot", help="write a PNG plot of hit ratio against capacity here")
+    simulate.set_defaults(run=_simulate)
     return parser
 
 
@@ -88,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
-        print("\nname a command, for example: kvstate replay", file=sys.stderr)
+        print("\nname a command, for example: kvstate simulate", file=sys.stderr)
         return 2
     try:
         return args.run(args)

@@ -128,6 +128,9 @@ class ModelSpec:
     context_limit: int | None
     kv: KvScheme = BF16
     source: str = ""
+    #: Real tokens one position stands for: 1 normally; 512 when positions are 512-token blocks
+    #: (the eviction lab replays block-id traces through the service that way).
+    position_tokens: int = 1
 
     #: Distinct layers with their counts: ``bytes_for`` sums a few terms, not every layer (admission is hot).
     _terms: tuple[tuple[LayerSpec, int], ...] = attrs.field(init=False, eq=False, repr=False)
@@ -146,8 +149,15 @@ class ModelSpec:
         """The same geometry under another KV storage scheme."""
         return attrs.evolve(self, kv=kv, name=f"{self.name}@{kv.name}")
 
+    def per_block(self, block_tokens: int) -> "ModelSpec":
+        """The same geometry counted in positions of ``block_tokens`` tokens each."""
+        limit = None if self.context_limit is None else max(1, self.context_limit // block_tokens)
+        return attrs.evolve(self, name=f"{self.name}/{block_tokens}-token blocks", context_limit=limit,
+                            position_tokens=self.position_tokens * block_tokens)
+
     def bytes_for(self, tokens: int) -> int:
-        """Bytes a request's caches hold after ``tokens`` tokens (every layer, live tokens)."""
+        """Bytes a request's caches hold after ``tokens`` positions (every layer, live tokens)."""
+        tokens *= self.position_tokens
         return sum(count * layer.bytes_for(tokens, self.kv) for layer, count in self._terms)
 
     @property
@@ -162,4 +172,4 @@ class ModelSpec:
 
     def trimmable_at(self, tokens: int) -> bool:
         """Whether caches covering ``tokens`` tokens serve any shorter prefix (every layer must)."""
-        return all(layer.trimmable_at(tokens) for layer, _ in self._terms)
+        return all(layer.trimmable_at(tokens * self.position_tokens) for layer, _ in self._terms)

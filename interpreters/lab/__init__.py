@@ -1,0 +1,1 @@
+"""The eviction lab: replay traces through block caches or the service itself, sweep policies and capacities."""

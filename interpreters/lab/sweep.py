@@ -1,0 +1,189 @@
+"""Sweep policies x capacities over one trace, in parallel processes; rows for the table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import sys
+from typing import Sequence
+
+import attrs
+
+from kvstate.interpreters.lab.runs import (
+    Outcome, block_bytes, run_blocks, run_prefixes, unbounded,
+)
+from kvstate.interpreters.lab.traces import Trace
+from kvstate.interpreters.replay import BLOCK_TOKENS
+from kvstate.interpreters.simulator import CostModel
+from kvstate.models.spec import ModelSpec
+
+UNITS = ("blocks", "tokens", "bytes")
+_COUNT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class BadCapacity(ValueError):
+    """A capacity that is not a count, a size or a fraction of the working set."""
+
+
+@attrs.frozen
+class Capacity:
+    """One capacity of a sweep: as written, and in blocks and bytes for the model."""
+
+    label: str
+    value: float
+    unit: str
+    blocks: int
+    nbytes: int
+
+
+def parse_capacity(text: str, unit: str, trace: Trace, model: ModelSpec) -> Capacity:
+    """``1000`` (in ``unit``), ``3M`` / ``512K`` (counts), ``20GB`` / ``8GiB`` (bytes), ``0.1`` (a fraction
+    of the trace's working set: its unique blocks)."""
+    per_block = block_bytes(model)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match:
+        raise BadCapacity(f"not a capacity: {text!r} (try 1000, 3M, 20GB or 0.1)")
+    number, suffix = float(match.group(1)), match.group(2).lower()
+    if suffix in _BYTES:
+        nbytes = int(number * _BYTES[suffix])
+        return Capacity(text, number, "bytes", nbytes // per_block if per_block else 0, nbytes)
+    if suffix not in _COUNT:
+        raise BadCapacity(f"unknown suffix in {text!r}: counts take K, M, G, T; sizes KB, MB, GB, GiB, ...")
+    if "." in match.group(1) and number <= 1 and not suffix:
+        blocks = int(number * trace.unique_blocks)
+        return Capacity(text, number, "working set", blocks, blocks * per_block)
+    count = number * _COUNT[suffix]
+    if unit == "blocks":
+        blocks = int(count)
+    elif unit == "tokens":
+        blocks = int(count // BLOCK_TOKENS)
+    else:
+        return Capacity(text, count, unit, int(count // per_block) if per_block else 0, int(count))
+    return Capacity(text, count, unit, blocks, blocks * per_block)
+
+
+@attrs.frozen
+class Row:
+    """One (policy, capacity) of a sweep, as the JSON record lists it."""
+
+    policy: str
+    capacity: str
+    capacity_blocks: int
+    capacity_bytes: int
+    unit: str
+    granularity: str
+    requests: int
+    request_hit_rate: float
+    token_hit_ratio: float
+    block_hit_ratio: float
+    disk_bytes_written: int
+    disk_bytes_read: int
+    prefill_seconds_saved: float
+    seconds: float
+
+
+_TRACE: Trace | None = None
+
+
+def _job(args: tuple) -> tuple[int, Outcome]:
+    index, granularity, policy, capacity, disk, model = args
+    if granularity == "block":
+        disk_blocks = None if disk is None else disk // max(block_bytes(model), 1)
+        return index, run_blocks(_TRACE, policy, capacity.blocks, disk_blocks, model)
+    return index, run_prefixes(_TRACE, policy, capacity.nbytes, disk, model)
+
+
+def _progress(done: int, total: int) -> None:
+    width = 30
+    filled = width * done // total
+    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs", end="", file=sys.stderr, flush=True)
+    if done == total:
+        print(file=sys.stderr)
+
+
+def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity], granularity: str,
+          model: ModelSpec, disk_bytes: int | None = None, cost: CostModel | None = None,
+          processes: int | None = None, progress: bool = True) -> list[Row]:
+    """Every policy at every capacity; rows in (policy, capacity) order."""
+    global _TRACE
+    cost = cost or CostModel()
+    jobs = [(i, granularity, policy, capacity, disk_bytes, model)
+            for i, (policy, capacity) in enumerate((p, c) for p in policies for c in capacities)]
+    _TRACE = trace
+    outcomes: dict[int, Outcome] = {}
+    workers = min(len(jobs), processes or os.cpu_count() or 1)
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for index, outcome in pool.imap_unordered(_job, jobs):
+                outcomes[index] = outcome
+                if progress:
+                    _progress(len(outcomes), len(jobs))
+    else:
+        for job in jobs:
+            index, outcome = _job(job)
+            outcomes[index] = outcome
+            if progress:
+                _progress(len(outcomes), len(jobs))
+    rows = []
+    for index, _, policy, capacity, _, _ in jobs:
+        o = outcomes[index]
+        rows.append(Row(policy, capacity.label, capacity.blocks, capacity.nbytes, capacity.unit, granularity,
+                        o.requests, o.request_hit_rate, o.token_hit_ratio, o.block_hit_ratio, o.disk_bytes_written,
+                        o.disk_bytes_read, o.prefill_seconds_saved(cost), o.seconds))
+    return rows
+
+
+def table(rows: Sequence[Row], ceiling: Outcome) -> str:
+    """The terminal table: policy x capacity, with the unbounded ceiling last."""
+    head = (f"{'policy':8} {'capacity':>12} {'req hit':>8} {'token hit':>10} {'block hit':>10} "
+            f"{'disk written':>13} {'disk read':>11} {'prefill s saved':>16}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.policy:8} {r.capacity:>12} {r.request_hit_rate:>8.4f} {r.token_hit_ratio:>10.4f} "
+                     f"{r.block_hit_ratio:>10.4f} {_size(r.disk_bytes_written):>13} {_size(r.disk_bytes_read):>11} "
+                     f"{r.prefill_seconds_saved:>16.1f}")
+    lines.append(f"{'(unbounded)':21} {ceiling.request_hit_rate:>8.4f} {ceiling.token_hit_ratio:>10.4f} "
+                 f"{ceiling.block_hit_ratio:>10.4f}")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return str(nbytes)
+
+
+def write_json(rows: Sequence[Row], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump([attrs.asdict(r) for r in rows], out, indent=1)
+
+
+def plot(rows: Sequence[Row], ceiling: Outcome, path: str, title: str) -> None:
+    """Hit ratio against capacity per policy (token-weighted and block), the unbounded maximum dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axis, field, maximum, label in ((axes[0], "token_hit_ratio", ceiling.token_hit_ratio, "token hit ratio"),
+                                        (axes[1], "block_hit_ratio", ceiling.block_hit_ratio, "block hit ratio")):
+        for policy in dict.fromkeys(r.policy for r in rows):
+            points = sorted((r.capacity_blocks * BLOCK_TOKENS, getattr(r, field)) for r in rows if r.policy == policy)
+            axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=policy)
+        axis.axhline(maximum, linestyle="--", color="black", label=f"unbounded {maximum:.4f}")
+        axis.set_xscale("log")
+        axis.set_xlabel("capacity (tokens)")
+        axis.set_ylabel(label)
+        axis.set_ylim(0, 1)
+        axis.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
