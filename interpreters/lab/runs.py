@@ -106,6 +106,8 @@ def run_blocks(trace: Trace, policy: str, capacity_blocks: int, disk_blocks: int
         cache = BLOCK_POLICIES[policy](max(capacity_blocks, 1))
         at = None
     disk = LRUBlocks(disk_blocks) if disk_blocks else None
+    if disk is None and at is None and capacity_blocks:
+        return _run_ram_only(trace, cache, started)
     lookup, insert = cache.lookup, cache.insert
     per_block = block_bytes(model)
     position = hits = hit_requests = reused = prompt = written = read = 0
@@ -134,6 +136,28 @@ def run_blocks(trace: Trace, policy: str, capacity_blocks: int, disk_blocks: int
         prompt += request.input_length
         reused += min(leading * BLOCK_TOKENS, request.input_length)
     return Outcome(len(trace.requests), hit_requests, prompt, reused, position, hits, written, read,
+                   time.perf_counter() - started)
+
+
+def _run_ram_only(trace: Trace, cache, started: float) -> Outcome:
+    """The common case, one tier and an online policy: the same replay with nothing else in the loop."""
+    lookup, insert = cache.lookup, cache.insert
+    accesses = hits = hit_requests = reused = prompt = 0
+    for request in trace.requests:
+        leading, still_leading = 0, True
+        for block in request.blocks:
+            if lookup(block):
+                hits += 1
+                if still_leading:
+                    leading += 1
+            else:
+                still_leading = False
+                insert(block)
+        accesses += len(request.blocks)
+        hit_requests += leading > 0
+        prompt += request.input_length
+        reused += min(leading * BLOCK_TOKENS, request.input_length)
+    return Outcome(len(trace.requests), hit_requests, prompt, reused, accesses, hits, 0, 0,
                    time.perf_counter() - started)
 
 

@@ -1,0 +1,168 @@
+"""The eviction lab: figures a correct replay reproduces, block policies against references, Belady's ceiling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from kvstate.interpreters.lab import traces
+from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
+from kvstate.interpreters.lab.runs import PREFIX_POLICIES, run_blocks, run_prefixes, unbounded
+from kvstate.interpreters.lab.sweep import BadCapacity, parse_capacity
+from kvstate.interpreters.traces import bundled
+from kvstate.models import model_spec
+
+MODEL = model_spec("llama-3.1-8b")
+#: The figures ../shared/traces/README.md gives for an unbounded cache (block hit, token-weighted hit).
+PUBLISHED = {"conversation_trace.jsonl": (0.3664, 0.3736), "synthetic_trace.jsonl": (0.6396, 0.6512)}
+
+
+@pytest.fixture(scope="module", params=sorted(PUBLISHED))
+def bundled_trace(request):
+    return request.param, traces.read(bundled(request.param))
+
+
+def test_unbounded_replays_reproduce_the_published_figures(bundled_trace):
+    name, trace = bundled_trace
+    block, token = PUBLISHED[name]
+    everything = trace.unique_blocks
+    for outcome in (unbounded(trace), run_blocks(trace, "lru", everything, None, MODEL),
+                    run_prefixes(trace, "lru", 1 << 62, None, MODEL)):
+        assert round(outcome.block_hit_ratio, 4) == block
+        assert round(outcome.token_hit_ratio, 4) == token
+
+
+def naive_hits(policy: str, capacity: int, accesses: list[int]) -> int:
+    """Straightforward LRU, FIFO and LFU (least uses, then least recent) over a plain list."""
+    held: list[int] = []
+    uses: dict[int, int] = {}
+    last: dict[int, int] = {}
+    hits = 0
+    for clock, block in enumerate(accesses):
+        if block in held:
+            hits += 1
+            uses[block] += 1
+            last[block] = clock
+            if policy == "lru":
+                held.remove(block)
+                held.append(block)
+            continue
+        if len(held) >= capacity:
+            if policy == "lfu":
+                victim = min(held, key=lambda b: (uses[b], last[b]))
+            else:
+                victim = held[0]
+            held.remove(victim)
+        held.append(block)
+        uses[block], last[block] = 1, clock
+    return hits
+
+
+def as_trace(accesses: list[int]) -> traces.Trace:
+    return traces.Trace("test", tuple(traces.LabRequest(0.0, 512, 1, (b,)) for b in accesses))
+
+
+block_sequences = st.lists(st.integers(0, 30), min_size=1, max_size=300)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu"])
+@settings(max_examples=200, deadline=None)
+@given(accesses=block_sequences, capacity=st.integers(1, 25))
+def test_block_policies_agree_exactly_with_references(policy, accesses, capacity):
+    assert run_blocks(as_trace(accesses), policy, capacity, None, MODEL).block_hits == \
+        naive_hits(policy, capacity, accesses)
+
+
+@settings(max_examples=200, deadline=None)
+@given(accesses=block_sequences, capacity=st.integers(1, 25))
+def test_belady_is_never_beaten(accesses, capacity):
+    trace = as_trace(accesses)
+    ceiling = run_blocks(trace, "belady", capacity, None, MODEL).block_hits
+    for policy in BLOCK_POLICIES:
+        assert run_blocks(trace, policy, capacity, None, MODEL).block_hits <= ceiling, policy
+
+
+@pytest.mark.parametrize("policy", sorted(BLOCK_POLICIES))
+def test_every_block_policy_stays_within_capacity_and_hits_with_room(policy):
+    trace = traces.chat(300, seed=3)
+    small = run_blocks(trace, policy, 20, None, MODEL)
+    roomy = run_blocks(trace, policy, trace.unique_blocks, None, MODEL)
+    assert 0 < small.block_hits <= roomy.block_hits == unbounded(trace).block_hits
+
+
+def test_a_disk_tier_behind_ram_serves_what_ram_evicted():
+    trace = traces.chat(400, seed=4)
+    alone = run_blocks(trace, "lru", 30, None, MODEL)
+    tiered = run_blocks(trace, "lru", 30, 10**9, MODEL)
+    assert tiered.block_hits > alone.block_hits
+    assert tiered.disk_bytes_written > 0 and tiered.disk_bytes_read > 0
+
+
+@pytest.mark.parametrize("kind", sorted(traces.SYNTHETIC))
+def test_synthetic_workloads_are_seeded_and_share_prefixes(kind):
+    first, again, other = (traces.SYNTHETIC[kind](500, seed=s) for s in (1, 1, 2))
+    assert first.requests == again.requests and first.requests != other.requests
+    assert len(first.requests) == 500
+    assert 0.2 < unbounded(first).block_hit_ratio < 1.0
+
+
+def test_kvstate_jsonl_with_tokens_or_blocks(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    system = list(range(600))
+    records = [
+        {"arrival": 0.0, "session": "a", "tokens": system + [1, 2, 3], "output_length": 5},
+        {"arrival": 1.0, "session": "b", "tokens": system + [9], "output_length": 5},
+        {"arrival": 2.0, "namespace": "other", "tokens": system + [9], "output_length": 5},
+        {"arrival": 3.0, "blocks": [7, 8], "input_length": 700, "output_length": 1},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    trace = traces.read(path)
+    a, b, c, d = trace.requests
+    assert a.blocks[0] == b.blocks[0] != c.blocks[0]  # namespaces never share blocks
+    assert a.blocks[1] != b.blocks[1] and a.input_length == 603 and d.input_length == 700
+
+
+def test_capacities_in_every_form():
+    trace = traces.chat(200, seed=5)
+    per_block = MODEL.bytes_for(512)
+    assert parse_capacity("1000", "blocks", trace, MODEL).blocks == 1000
+    assert parse_capacity("3M", "tokens", trace, MODEL).blocks == 3_000_000 // 512
+    assert parse_capacity("20GB", "blocks", trace, MODEL).blocks == 20 * 10**9 // per_block
+    assert parse_capacity("0.1", "blocks", trace, MODEL).blocks == int(0.1 * trace.unique_blocks)
+    assert parse_capacity("512K", "bytes", trace, MODEL).nbytes == 512_000
+    with pytest.raises(BadCapacity):
+        parse_capacity("lots", "blocks", trace, MODEL)
+
+
+def test_prefix_granularity_runs_the_service_and_only_its_policies():
+    trace = traces.rag(300, seed=6)
+    for policy in PREFIX_POLICIES:
+        outcome = run_prefixes(trace, policy, MODEL.bytes_for(512) * 40, MODEL.bytes_for(512) * 400, MODEL)
+        assert 0 < outcome.token_hit_ratio <= unbounded(trace).token_hit_ratio
+        assert outcome.disk_bytes_written > 0
+    with pytest.raises(ValueError, match="block granularity only"):
+        run_prefixes(trace, "belady", 10**9, None, MODEL)
+
+
+def test_simulate_command_writes_rows_and_a_plot(tmp_path):
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--synthetic", "chat",
+                           "--requests", "300", "--policy", "lru,belady", "--capacity", "50,0.5",
+                           "--json", str(out), "--plot", str(png)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", "50"), ("lru", "0.5"), ("belady", "50"),
+                                                           ("belady", "0.5")]
+    required = {"policy", "capacity", "unit", "granularity", "requests", "request_hit_rate", "token_hit_ratio",
+                "block_hit_ratio", "disk_bytes_written", "disk_bytes_read", "prefill_seconds_saved"}
+    assert all(required <= set(r) for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--granularity", "prefix",
+                          "--policy", "arc", "--synthetic", "rag"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not available at prefix granularity" in bad.stderr
