@@ -64,6 +64,28 @@ def naive_hits(policy: str, capacity: int, accesses: list[int]) -> int:
     return hits
 
 
+def naive_sieve_hits(capacity: int, accesses: list[int]) -> int:
+    """SIEVE as the paper states it, over a plain list (oldest first) and a hand index."""
+    queue: list[int] = []
+    visited: dict[int, bool] = {}
+    hand, hits = None, 0
+    for block in accesses:
+        if block in visited:
+            visited[block] = True
+            hits += 1
+            continue
+        if len(queue) >= capacity:
+            i = queue.index(hand) if hand in visited else 0
+            while visited[queue[i]]:
+                visited[queue[i]] = False
+                i = i + 1 if i + 1 < len(queue) else 0
+            hand = queue[i + 1] if i + 1 < len(queue) else None
+            del visited[queue.pop(i)]
+        queue.append(block)
+        visited[block] = False
+    return hits
+
+
 def as_trace(accesses: list[int]) -> traces.Trace:
     return traces.Trace("test", tuple(traces.LabRequest(0.0, 512, 1, (b,)) for b in accesses))
 
@@ -77,6 +99,13 @@ block_sequences = st.lists(st.integers(0, 30), min_size=1, max_size=300)
 def test_block_policies_agree_exactly_with_references(policy, accesses, capacity):
     assert run_blocks(as_trace(accesses), policy, capacity, None, MODEL).block_hits == \
         naive_hits(policy, capacity, accesses)
+
+
+@settings(max_examples=200, deadline=None)
+@given(accesses=block_sequences, capacity=st.integers(1, 25))
+def test_block_sieve_agrees_with_the_papers_algorithm(accesses, capacity):
+    assert run_blocks(as_trace(accesses), "sieve", capacity, None, MODEL).block_hits == \
+        naive_sieve_hits(capacity, accesses)
 
 
 @settings(max_examples=200, deadline=None)
