@@ -36,7 +36,8 @@ class Acquired:
     reused_tokens: int
     source: Source
     resumed: CheckpointMeta | None = None
-    resumed_tokens: int = 0
+    #: A resumed generation's tokens: the prompt, then what was generated before the checkpoint.
+    resumed_tokens: tuple[int, ...] = ()
 
 
 class NotKeptReason(enum.Enum):

@@ -355,7 +355,7 @@ def _session_entry(state: ServiceState, request: Request, namespace: str) -> Ent
 
 def _finish_acquire(state: ServiceState, lease_id: int, handle: int, reused: int, source: Source,
                     entry: int | None, out: list, count: bool = True, resumed: Any = None,
-                    resumed_tokens: int = 0) -> Step:
+                    resumed_tokens: tuple[int, ...] = ()) -> Step:
     lease = state.leases[lease_id]
     state = attrs.evolve(state, leases=state.leases.set(lease_id, attrs.evolve(lease, acquired=True,
                                                                               pending_handle=None)),
@@ -429,7 +429,8 @@ def _checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
     request = state.leases[lease_id].request
     meta = e.meta
     consistent = (meta.prompt_tokens == len(request.prompt) and meta.generated_tokens >= 0
-                  and e.tokens == meta.prompt_tokens + meta.generated_tokens
+                  and len(e.tokens) == meta.prompt_tokens + meta.generated_tokens
+                  and e.tokens[:len(request.prompt)] == request.prompt
                   and meta.key == state.leases[lease_id].checkpoint_key)
     if not consistent:
         return _resume_failed(state, done.ResumeFailed(meta.key, e.handle, done.FailureReason.INCONSISTENT),

@@ -97,11 +97,11 @@ class CheckpointFailed(Completion):
 
 @attrs.frozen
 class CheckpointResumed(Completion):
-    """Checkpoint ``meta`` was read into ``handle``, covering ``tokens`` tokens."""
+    """Checkpoint ``meta`` was read into ``handle``; its caches cover ``tokens`` (prompt plus generated)."""
 
     handle: int
     meta: CheckpointMeta
-    tokens: int
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
 
 
 @attrs.frozen

@@ -271,7 +271,7 @@ class MlxInterpreter:
         except RejectedFile as rejected:
             return [done.ResumeFailed(e.key, e.handle, rejected.reason)]
         self._handles[e.handle] = caches
-        return [done.CheckpointResumed(e.handle, meta, len(tokens))]
+        return [done.CheckpointResumed(e.handle, meta, tuple(tokens))]
 
     def _sync(self, e: fx.Sync) -> list:
         finished = self._writer.drain() if self._writer is not None else []

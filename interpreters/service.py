@@ -77,14 +77,15 @@ class AcquiredState:
     ``caches`` go straight into the generation loop; ``reused_tokens`` prompt
     tokens are already covered (0 is a miss), so prefill starts there.
     ``resumed`` is set for a resumed generation: ``caches`` then cover
-    ``resumed_tokens`` tokens (prompt plus generated).
+    ``resumed_tokens`` (the prompt, then the tokens generated before the
+    checkpoint); ``resumed.pending_token`` is the sampled token to feed next.
     """
 
     caches: Any
     reused_tokens: int
     source: Source
     resumed: CheckpointMeta | None = None
-    resumed_tokens: int = 0
+    resumed_tokens: tuple[int, ...] = ()
 
 
 class KvCacheService:

@@ -357,7 +357,7 @@ class SimulatorInterpreter:
             return [done.ResumeFailed(e.key, e.handle, Reason.MISSING)]
         meta, tokens, _ = saved
         self._handles[e.handle] = SimCaches(tokens, self.model)
-        return [done.CheckpointResumed(e.handle, meta, len(tokens))]
+        return [done.CheckpointResumed(e.handle, meta, tuple(tokens))]
 
     def _sync(self, e: fx.Sync) -> list:
         return self.poll() + [done.Synced()]

@@ -151,7 +151,7 @@ def test_a_checkpoint_resumes_in_a_fresh_service(tmp_path):
     resumed_service = service_for(model, config, tmp_path, checkpoint_every_tokens=4)
     again = Request(prompt, 16, continuation=Continuation("chat-7", seed=11))
     resumed = resumed_service.acquire(again, "n")
-    assert resumed.source is Source.CHECKPOINT and resumed.resumed_tokens == len(prompt) + len(generated)
+    assert resumed.source is Source.CHECKPOINT and resumed.resumed_tokens == prompt + generated
     assert resumed.resumed.pending_token == 9
     assert_same(last_logits(model, [9], resumed.caches), recomputed(model, prompt + generated + (9,)))
     resumed_service.release(again, completed=True)

@@ -165,7 +165,7 @@ def test_checkpoint_decisions_resume_and_completion():
     assert service.report().checkpoints == 1
     again = Request(tuple(range(10)), 20, continuation=Continuation("gen-1", seed=99))
     resumed = service.acquire(again, "n")
-    assert resumed.source is Source.CHECKPOINT and resumed.resumed_tokens == 14
+    assert resumed.source is Source.CHECKPOINT and resumed.resumed_tokens == caches.tokens
     assert resumed.resumed.pending_token == 54 and resumed.resumed.seed == 3
     assert resumed.caches.tokens == caches.tokens
     service.release(again, completed=True)
