@@ -776,6 +776,12 @@ def _spill_all(state: ServiceState, out: list) -> ServiceState:
     return state
 
 
+def _settle(state: ServiceState, e: ev.Settle) -> Step:
+    if state.pending_writes == 0:
+        return Step(state, (), _flush_result(state))
+    return Step(state, (fx.Sync(),), None)
+
+
 def _flush(state: ServiceState, e: ev.Flush) -> Step:
     _open(state, "flush")
     if not state.config.has_disk:
@@ -861,6 +867,7 @@ _HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.ObjectGet: _object_get,
     ev.ObjectPut: _object_put,
     ev.Flush: _flush,
+    ev.Settle: _settle,
     ev.Close: _close,
     ev.Scanned: _scanned,
     done.SpillDone: _spill_done,

@@ -116,6 +116,12 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvstate.interpreters.demo import run_demo
+    run_demo(args.model, seed=args.seed, sessions=args.sessions, turns=args.turns)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstate", description="kvstate: the KV-cache state service for LLM inference on MLX.")
@@ -164,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--json", help="write the rows as JSON here")
     simulate.add_argument("--plot", help="write a PNG plot of hit ratio against capacity here")
     simulate.set_defaults(run=_simulate)
+    demo = commands.add_parser(
+        "demo", help="the reference scheduler on a tiny model over a seeded multi-turn chat, with a disk tier",
+        description="Run the reference scheduler (kvstate embedded in an mlx-lm loop) on a tiny random-weight "
+                    "model over a seeded multi-turn chat, with the disk tier in a temporary directory; print per "
+                    "turn the reused tokens and time to first token, then the hit rate and the service report.")
+    demo.add_argument("--model", default="llama", choices=["llama", "gemma3_text", "qwen3_next", "mamba"])
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--sessions", type=int, default=3)
+    demo.add_argument("--turns", type=int, default=4)
+    demo.set_defaults(run=_demo)
     return parser
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import attrs
 import mlx.core as mx
 
+from kvstate.core.replies import Source
 from kvstate.core.request import Request
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.service import KvCacheService
@@ -46,6 +47,7 @@ class Row:
     caches: list | None = None
     generated: list[int] = attrs.Factory(list)
     reused_tokens: int = 0
+    source: Source = Source.FRESH
     resumed: bool = False
     seed: int = 0
     started: float = 0.0
@@ -60,6 +62,7 @@ class Finished:
     request: Request
     tokens: tuple[int, ...]
     reused_tokens: int
+    source: Source
     resumed: bool
     first_token_seconds: float
 
@@ -86,7 +89,7 @@ class Scheduler:
         service, request = self.service, row.request
         row.started = self.clock()
         state = service.acquire(request, row.namespace)
-        row.caches, row.reused_tokens = state.caches, state.reused_tokens
+        row.caches, row.reused_tokens, row.source = state.caches, state.reused_tokens, state.source
         continuation = request.continuation
         row.seed = continuation.seed if continuation is not None else 0
         if state.resumed is not None:  # the caches cover prompt + generated; the pending token is next
@@ -122,7 +125,8 @@ class Scheduler:
         if self.service.keeps(request):
             self.service.publish(request, row.namespace, request.prompt + fed, row.caches)
         self.service.release(request, completed=True)
-        return Finished(request, tuple(row.generated), row.reused_tokens, row.resumed, row.first_token_seconds)
+        return Finished(request, tuple(row.generated), row.reused_tokens, row.source, row.resumed,
+                        row.first_token_seconds)
 
     def run(self, requests: Iterable[tuple[Request, str]], on_finish: Callable[[Finished], None] | None = None
             ) -> list[Finished]:

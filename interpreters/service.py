@@ -20,7 +20,7 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.errors import UnknownRequest
-from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, ObjectFound, Source
+from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, NotKept, NotKeptReason, ObjectFound, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import InvalidConfig, ServiceConfig, ServiceState, check_namespace, initial_state, request_check
@@ -244,16 +244,27 @@ class KvCacheService:
         tokens = as_tokens(tokens, "published tokens", known=request.prompt)
         check_namespace(namespace)
         with self._lock:
+            self._collect()
             handle = next(self._handles)
             facts = self._interpreter.stage(handle, caches)
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered  # recurrent state knows no length
-                reply = self._run(ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes,
-                                             facts.trimmable))
+                event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable)
+                trial = step(self._state, event).reply  # pure: a look at the decision, nothing carried out
+                if (isinstance(trial, NotKept) and trial.reason is NotKeptReason.NO_ROOM
+                        and self._state.pending_writes):
+                    # Backpressure: RAM is full of entries pinned by writes in flight; wait for them first.
+                    self._run(ev.Settle())
+                return isinstance(self._run(event), Kept)
             except BaseException:
                 self._interpreter.unstage(handle)
                 raise
-            return isinstance(reply, Kept)
+
+    def _collect(self) -> None:
+        """Feed back the writes the interpreter finished in the background (unpinning their entries)."""
+        poll = getattr(self._interpreter, "poll", None)
+        if poll is not None and not getattr(self._interpreter, "deferred_writes", False):
+            self.complete(poll())
 
     def checkpoint(self, request: Request, caches: Any, tokens: Iterable[int], generated_tokens: int,
                    pending_token: int | None = None) -> bool:

@@ -120,3 +120,11 @@ def test_a_generation_killed_with_sigkill_resumes_to_the_same_tokens(name, tmp_p
     assert was_resumed == "True"
     assert [int(t) for t in tokens] == uninterrupted(name)
     assert not list(tmp_path.rglob("checkpoint-*.safetensors"))  # completed: its checkpoints are gone
+
+
+def test_the_demo_runs_and_reuses_state():
+    done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "demo", "--sessions", "2",
+                           "--turns", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "random-weight" in done.stdout and "hit rate 0.75 (3 of 4" in done.stdout
+    assert "service report:" in done.stdout

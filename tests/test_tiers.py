@@ -87,14 +87,26 @@ def test_flush_then_crash_and_restart_finds_every_kept_prefix():
 
 
 def test_entries_pinned_by_a_write_in_flight_are_not_evicted():
+    from kvstate.core import events as ev
+    from kvstate.core.replies import NotKept, NotKeptReason
+    from kvstate.core.transitions import step
+
     service = build(deferred=True)
     serve(service, tuple(range(200)))
-    serve(service, tuple(range(1000, 1200)))  # no room: the first is pinned by its write
+    assert service.report().pending_writes == 1
+    request, tokens = Request(tuple(range(1000, 1200)), 4), tuple(range(1000, 1200))
+    decided = step(service.state, ev.Publish(request, "n", tokens, 99, 200, SPEC.bytes_for(200), True))
+    assert decided.reply == NotKept(NotKeptReason.NO_ROOM)  # the first is pinned by its write
+    assert not any(type(e).__name__ == "DropEntry" for e in decided.effects)
+
+
+def test_publish_waits_for_writes_in_flight_when_they_pin_all_of_ram():
+    service = build(deferred=True)
+    serve(service, tuple(range(200)))
+    serve(service, tuple(range(1000, 1200)))  # backpressure: the first write completes, then it can go
     report = service.report()
-    assert report.entries == 1 and report.not_kept == 1 and report.evictions == 0
-    service.boundary()  # writes complete; now it can go
-    serve(service, tuple(range(1000, 1200)))
-    assert service.report().evictions == 1
+    assert report.entries == 1 and report.not_kept == 0 and report.kept == 2 and report.evictions == 1
+    assert serve(service, tuple(range(201))).source is Source.DISK
 
 
 def test_idle_entries_are_demoted_to_disk():
