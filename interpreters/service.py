@@ -250,15 +250,18 @@ class KvCacheService:
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered  # recurrent state knows no length
                 event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable)
-                trial = step(self._state, event).reply  # pure: a look at the decision, nothing carried out
-                if (isinstance(trial, NotKept) and trial.reason is NotKeptReason.NO_ROOM
-                        and self._state.pending_writes):
+                if self._state.pending_writes and self._refused_for_room(event):
                     # Backpressure: RAM is full of entries pinned by writes in flight; wait for them first.
                     self._run(ev.Settle())
                 return isinstance(self._run(event), Kept)
             except BaseException:
                 self._interpreter.unstage(handle)
                 raise
+
+    def _refused_for_room(self, event: ev.Publish) -> bool:
+        """Would the core refuse ``event`` for want of room? A pure look at the decision; nothing happens."""
+        trial = step(self._state, event).reply
+        return isinstance(trial, NotKept) and trial.reason is NotKeptReason.NO_ROOM
 
     def _collect(self) -> None:
         """Feed back the writes the interpreter finished in the background (unpinning their entries)."""
