@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from array import array
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ MAX_HEADER_BYTES = 64 << 20
 _SAFETENSORS_DTYPE = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
                       mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
                       mx.float32: "F32", mx.uint64: "U64", mx.int64: "I64"}
+_MX_DTYPE = {name: dtype for dtype, name in _SAFETENSORS_DTYPE.items()}
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4,
                 "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 
@@ -77,10 +79,21 @@ class WriteFailed(StorageError):
         self.reason = reason
 
 
-def content_hash(array: mx.array) -> str:
-    """blake2b of the array's bytes in row-major order."""
-    raw = np.asarray(mx.view(mx.contiguous(array), mx.uint8))
-    return hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
+_HASHERS: ThreadPoolExecutor | None = None
+
+
+def _digest(buffer) -> str:
+    return hashlib.blake2b(buffer, digest_size=16).hexdigest()
+
+
+def _hash_all(buffers: list) -> list[str]:
+    """blake2b of each buffer, on a few threads (hashlib lets go of the GIL on large buffers)."""
+    global _HASHERS
+    if len(buffers) < 2:
+        return [_digest(b) for b in buffers]
+    if _HASHERS is None:
+        _HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvstate-hash")
+    return list(_HASHERS.map(_digest, buffers))
 
 
 def _name(kind: str, *parts: bytes) -> str:
@@ -131,15 +144,17 @@ def read_header(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
 
 @attrs.frozen(eq=False)
 class EncodedFile:
-    """A saved file's bytes, prepared and waiting to be committed."""
+    """A saved file, prepared on the caller's thread: metadata, and each tensor as evaluated bytes
+    (where the arrays live: on a GPU they stay there until the commit copies them out)."""
 
     path: Path
-    header: bytes
-    buffers: tuple[np.ndarray, ...]
+    metadata: dict[str, str]
+    described: dict[str, tuple[str, list[int]]]
+    views: dict[str, mx.array]
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + sum(b.nbytes for b in self.buffers)
+        return sum(v.nbytes for v in self.views.values())
 
 
 @attrs.frozen
@@ -207,25 +222,14 @@ class DiskStore:
             arrays, meta = codec_of(cache).save(cache)
             tensors.update({f"{i}.{name}": a for name, a in arrays.items()})
             layers.append({"class": type(cache).__name__, **meta})
-        mx.eval(list(tensors.values()))
-        header: dict[str, Any] = {}
-        buffers: list[np.ndarray] = []
-        hashes: dict[str, str] = {}
-        offset = 0
-        for name, tensor in tensors.items():
-            raw = np.asarray(mx.view(mx.contiguous(tensor), mx.uint8)).reshape(-1)
-            hashes[name] = hashlib.blake2b(raw, digest_size=16).hexdigest()
-            header[name] = {"dtype": _SAFETENSORS_DTYPE[tensor.dtype], "shape": list(tensor.shape),
-                            "data_offsets": [offset, offset + raw.nbytes]}
-            buffers.append(raw)
-            offset += raw.nbytes
-        header["__metadata__"] = {
+        views = {name: mx.view(mx.contiguous(a), mx.uint8) for name, a in tensors.items()}
+        mx.eval(list(views.values()))  # the only mlx work; copying to the host and hashing happen at commit
+        described = {name: (_SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
+        metadata = {
             "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(), "kvstate.kind": kind,
             "kvstate.namespace": namespace, "kvstate.tokens": json.dumps(list(tokens)),
-            "kvstate.layers": json.dumps(layers), "kvstate.hashes": json.dumps(hashes), **extra}
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
-        return EncodedFile(path, struct.pack("<Q", len(encoded)) + encoded, tuple(buffers))
+            "kvstate.layers": json.dumps(layers), **extra}
+        return EncodedFile(path, metadata, described, views)
 
     def commit(self, file: "EncodedFile") -> None:
         """Write ``file`` atomically (temp file, fsync, rename, fsync of the directory); plain file I/O only.
@@ -233,10 +237,20 @@ class DiskStore:
         :class:`WriteFailed` if it could not; nothing under the real name changed then.
         """
         temp = file.path.with_name(f".{file.path.stem}.tmp-{os.getpid()}-{threading.get_ident()}{SUFFIX}")
+        buffers = [np.asarray(view).reshape(-1) for view in file.views.values()]  # device to host, if it must
+        hashes = dict(zip(file.views, _hash_all(buffers)))
+        header: dict[str, Any] = {}
+        offset = 0
+        for (name, (dtype, shape)), raw in zip(file.described.items(), buffers):
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
+            offset += raw.nbytes
+        header["__metadata__"] = {**file.metadata, "kvstate.hashes": json.dumps(hashes)}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
         try:
             with open(temp, "wb") as out:
-                out.write(file.header)
-                for buffer in file.buffers:
+                out.write(struct.pack("<Q", len(encoded)) + encoded)
+                for buffer in buffers:
                     out.write(memoryview(buffer))
                 out.flush()
                 os.fsync(out.fileno())
@@ -286,17 +300,30 @@ class DiskStore:
         return described, metadata, tensors
 
     def _load(self, path: Path) -> tuple[SavedFile, list]:
+        """Read the file once; verify each tensor's bytes on the host; then build the arrays from them."""
         try:
-            described, metadata, _ = self._describe(path)
+            described, metadata, tensors = self._describe(path)
             try:
-                arrays = mx.load(str(path))
-            except (RuntimeError, ValueError) as error:
-                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: unreadable ({error})") from None
+                data = np.fromfile(path, dtype=np.uint8)
+            except OSError as error:
+                raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+            (length,) = struct.unpack("<Q", data[:8].tobytes())
+            start = 8 + length
+            slices = {name: data[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
+                      for name, info in tensors.items()}
             if self.verify:
                 hashes = json.loads(metadata["kvstate.hashes"])
-                for name, array_ in arrays.items():
-                    if content_hash(array_) != hashes.get(name):
+                for name, digest in zip(slices, _hash_all(list(slices.values()))):
+                    if digest != hashes.get(name):
                         raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} fails its hash")
+            arrays = {}
+            for name, raw in slices.items():
+                info = tensors[name]
+                dtype = _MX_DTYPE.get(info["dtype"])
+                if dtype is None:
+                    raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} has dtype "
+                                                              f"{info['dtype']}")
+                arrays[name] = mx.view(mx.array(raw), dtype).reshape(info["shape"])
             caches = []
             for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
                 prefix = f"{i}."
