@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import mlx.core as mx
@@ -94,6 +94,22 @@ def _hash_all(buffers: list) -> list[str]:
     if _HASHERS is None:
         _HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvstate-hash")
     return list(_HASHERS.map(_digest, buffers))
+
+
+def _header_digest(metadata: dict[str, str], tensors: dict[str, Any]) -> str:
+    """blake2b of the header (metadata and tensor table): a flipped byte in it that still parses is caught."""
+    table = {name: info for name, info in tensors.items() if name != "__metadata__"}
+    canonical = json.dumps({"metadata": metadata, "tensors": table}, sort_keys=True, separators=(",", ":"))
+    return _digest(canonical.encode())
+
+
+def write_durably(path: Path, chunks: list) -> None:
+    """Write ``chunks`` to a new file at ``path`` and fsync it."""
+    with open(path, "wb") as out:
+        for chunk in chunks:
+            out.write(memoryview(chunk))
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _name(kind: str, *parts: bytes) -> str:
@@ -174,7 +190,8 @@ class DiskStore:
     """Saved prefixes and checkpoints of one model identity under ``root``."""
 
     def __init__(self, root: str | os.PathLike, identity: StoreIdentity, *, verify: bool = True,
-                 budget: Any = None):
+                 budget: Any = None, write_file: Callable[[Path, list], None] | None = None):
+        self.write_file = write_file or write_durably  # the storage seam: tests put a full disk here
         self.root = Path(root)
         self.identity = identity
         self.verify = verify
@@ -244,16 +261,12 @@ class DiskStore:
         for (name, (dtype, shape)), raw in zip(file.described.items(), buffers):
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
             offset += raw.nbytes
-        header["__metadata__"] = {**file.metadata, "kvstate.hashes": json.dumps(hashes)}
+        metadata = {**file.metadata, "kvstate.hashes": json.dumps(hashes)}
+        header["__metadata__"] = {**metadata, "kvstate.header_hash": _header_digest(metadata, header)}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
         try:
-            with open(temp, "wb") as out:
-                out.write(struct.pack("<Q", len(encoded)) + encoded)
-                for buffer in buffers:
-                    out.write(memoryview(buffer))
-                out.flush()
-                os.fsync(out.fileno())
+            self.write_file(temp, [struct.pack("<Q", len(encoded)) + encoded, *buffers])
             os.replace(temp, file.path)
             directory = os.open(self.directory, os.O_RDONLY)
             try:
@@ -276,6 +289,10 @@ class DiskStore:
 
     def _describe(self, path: Path) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
         metadata, tensors = read_header(path)
+        recorded = metadata.get("kvstate.header_hash")
+        rest = {k: v for k, v in metadata.items() if k != "kvstate.header_hash"}
+        if recorded is None or recorded != _header_digest(rest, tensors):
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: the header fails its hash (or has none)")
         if metadata.get("kvstate.format") != FORMAT_VERSION:
             raise RejectedFile(FailureReason.IDENTITY_MISMATCH,
                                f"{path.name}: format {metadata.get('kvstate.format')!r}, this store reads "

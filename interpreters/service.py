@@ -130,7 +130,7 @@ class KvCacheService:
                 disk_dir: str | None = None, disk_bytes: int | None = None, name: str = "model",
                 config: dict | None = None, tokenizer: Any = None, spec: ModelSpec | None = None,
                 verify: bool = True, background_writes: bool = True, policy: str = "lru",
-                root_budget: Any = None,
+                root_budget: Any = None, write_file: Callable | None = None,
                 pressure: Callable[[int], bool] | None = None, **options: Any) -> "KvCacheService":
         """A service on the MLX interpreter for a loaded mlx-lm ``model``.
 
@@ -155,7 +155,7 @@ class KvCacheService:
         if disk_dir is not None:
             if disk_bytes is None:
                 raise InvalidConfig("disk_dir needs disk_bytes: the byte budget of the disk tier")
-            store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget)
+            store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget, write_file=write_file)
         elif disk_bytes is not None:
             raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
         service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,

@@ -1,0 +1,243 @@
+"""Reliability: damaged files at every offset, fuzzed loader input, a full disk, every crash point,
+threads on the facade, and garbage at the port. ``KVSTATE_CHECK_PROFILE=long`` widens the fuzzing."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+
+import hypothesis.strategies as st
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from mlx_lm.models.cache import KVCache
+
+from kvstate import (
+    KvCacheService, KvStateError, Request, SimObject, SimulatedCrash, Source, model_spec,
+)
+from kvstate.effects import DiskKey
+from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.interpreters.simulator import FaultPlan, SimDisk
+from kvstate.models.reference import build
+
+LONG = os.environ.get("KVSTATE_CHECK_PROFILE", "ci") == "long"
+IDENTITY = StoreIdentity("model-r", "tok-r", "cfg-r")
+
+
+def small_file(tmp_path):
+    store = DiskStore(tmp_path, IDENTITY)
+    cache = KVCache()
+    keys = mx.arange(1 * 1 * 5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
+    cache.update_and_fetch(keys, keys + 1)
+    key = DiskKey("n", (1, 2, 3, 4, 5))
+    store.commit(store.encode_prefix(key, [cache], True, mlx_caches.live_bytes([cache])))
+    return store, key, store.prefix_path(key)
+
+
+def loaded_values(caches):
+    return [(c.offset, c.keys[..., :c.offset, :].tolist(), c.values[..., :c.offset, :].tolist()) for c in caches]
+
+
+def test_every_truncation_and_every_bit_flip_is_rejected_or_harmless(tmp_path):
+    """Truncated at every offset, one bit flipped at every offset: a named rejection, never other content."""
+    store, key, path = small_file(tmp_path)
+    original = path.read_bytes()
+    expected = loaded_values(store.read_prefix(key))
+    damaged = accepted = 0
+    offsets = range(len(original)) if LONG else sorted(set(range(0, len(original), 7)) | set(range(0, 64)))
+    variants = [original[:n] for n in range(len(original))]
+    variants += [original[:i] + bytes([original[i] ^ (1 << b)]) + original[i + 1:] for i in offsets for b in (0, 5)]
+    for variant in variants:
+        path.write_bytes(variant)
+        try:
+            restored = store.read_prefix(key)
+        except RejectedFile:
+            damaged += 1
+            assert not path.exists()  # moved aside, not left to be read again
+            continue
+        accepted += 1
+        assert loaded_values(restored) == expected  # e.g. a flip in JSON whitespace: the same content
+    assert damaged >= len(variants) - accepted and accepted <= len(variants) // 50
+    assert len(store.rejected) == damaged
+
+
+@settings(max_examples=2000 if LONG else 300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                   HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=600))
+def test_fuzzed_bytes_give_only_the_stores_own_error(tmp_path, data):
+    store = DiskStore(tmp_path, IDENTITY)
+    key = DiskKey("n", (1, 2))
+    store.prefix_path(key).write_bytes(data)
+    with pytest.raises(RejectedFile):
+        store.read_prefix(key)
+    store.prefix_path(key).write_bytes(data)
+    records, _, rejected = store.scan()
+    assert records == [] and rejected == 1
+
+
+@settings(max_examples=1000 if LONG else 200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(length=st.integers(0, 2**64 - 1), tail=st.binary(max_size=64))
+def test_a_header_length_is_checked_before_anything_is_read(tmp_path, length, tail):
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(length.to_bytes(8, "little") + tail)
+    with pytest.raises(RejectedFile):
+        read_header(path)
+
+
+def full_disk(path, chunks):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_fails_writes_cleanly_and_the_service_keeps_serving(tmp_path):
+    model, config = build("llama", seed=60)
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=8 << 20, disk_dir=str(tmp_path),
+                                     disk_bytes=64 << 20, write_file=full_disk)
+    prompt = tuple(range(1, 31))
+    state = service.acquire(request := Request(prompt, 2), "n")
+    model(mx.array([list(prompt)]), cache=state.caches)
+    assert service.publish(request, "n", prompt, state.caches)
+    service.release(request)
+    result = service.flush()
+    report = service.report()
+    assert not result.durable and report.failed_writes >= 1 and report.entries == 1
+    assert service.acquire(Request(prompt + (1,), 2), "n").reused_tokens == 30  # the RAM copy stayed
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix == ".safetensors"]
+
+
+def workload(service, seed):
+    """Sessions over shared prefixes on the simulator, a flush halfway; returns what was published."""
+    rng = random.Random(seed)
+    published, flushed = [], None
+    for n in range(14):
+        base = tuple(range(rng.randrange(3) * 100, rng.randrange(3) * 100 + 40))
+        prompt = base + tuple(rng.randrange(9) for _ in range(rng.randint(1, 30)))
+        request = Request(prompt, 4)
+        state = service.acquire(request, "n")
+        caches = service.interpreter.prefill(state.caches, prompt[state.reused_tokens:])
+        service.publish(request, "n", prompt, caches)
+        published.append(prompt)
+        service.release(request)
+        if n == 7:
+            flushed = (service.flush(), {(e.namespace, e.tokens) for e in service.state.entries.values()})
+    return published, flushed
+
+
+SPEC = model_spec("llama-3.2-1b")
+
+
+def simulated(disk, faults):
+    return KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(150), disk_bytes=SPEC.bytes_for(2000),
+                                    interpreter_options={"disk": disk, "faults": faults, "deferred_writes": True})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_crash_between_every_pair_of_effects_keeps_invariant_5(seed):
+    """Crash before effect k, for every k of a workload; restart on the disk; check what is found."""
+    disk, faults = SimDisk(), FaultPlan()
+    clean = simulated(disk, faults)
+    published, _ = workload(clean, seed)
+    total = clean.interpreter.stats.effects
+    explored = 0
+    for k in range(1, total + 1):
+        disk, faults = SimDisk(), FaultPlan(crash_before_effect=k)
+        service = simulated(disk, faults)
+        durable_before = None
+        try:
+            _, flushed = workload(service, seed)
+            durable_before = flushed
+        except SimulatedCrash:
+            pass
+        explored += 1
+        faults.crash_before_effect = None
+        restarted = simulated(disk, faults)
+        found = {(ns, t) for ns, t, _, _ in restarted.state.disk.items()}
+        for file in disk.files.values():  # nothing claimed that was not written whole, nothing foreign
+            assert file.content == file.tokens and file.tokens in published
+        if durable_before is not None and durable_before[0].durable:
+            assert durable_before[1] <= found  # everything flush called durable survives
+        for namespace, tokens in found:  # every restore gives back exactly what was published
+            state = restarted.acquire(request := Request(tokens + (0,), 1), namespace)
+            assert state.source is Source.DISK and state.caches.tokens == tokens
+            restarted.release(request)
+    assert explored == total and total > 50
+
+
+def test_threads_hammering_the_facade_keep_its_invariants():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(300), kv_budget_bytes=SPEC.bytes_for(400),
+                                       disk_bytes=SPEC.bytes_for(3000))
+    errors: list = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                prompt = tuple(range(rng.randrange(4) * 50, rng.randrange(4) * 50 + 30)) + (rng.randrange(5),)
+                request = Request(prompt, 8, session_id=f"s{seed % 3}")
+                if not service.admit(request):
+                    continue
+                state = service.acquire(request, "n")
+                assert state.caches.tokens == prompt[:state.reused_tokens]
+                service.publish(request, "n", prompt, service.interpreter.prefill(state.caches,
+                                                                                  prompt[state.reused_tokens:]))
+                service.release(request)
+                if rng.random() < 0.1:
+                    service.boundary()
+                if rng.random() < 0.05:
+                    service.flush()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    report = service.report()
+    assert report.projected_bytes == 0 and report.live_requests == 0
+    assert report.bytes <= report.capacity_bytes
+    assert service.flush().durable
+
+
+GARBAGE = [None, -1, 10**30, "text", b"bytes", 2.5, [], [1.5], [-3], {"a": 1}, object()]
+
+
+@pytest.mark.parametrize("call", ["admit", "fits", "acquire", "keeps", "release", "publish", "checkpoint",
+                                  "prefetch", "peek_prefix_len", "close_session", "tick", "objects.get",
+                                  "objects.put"])
+def test_garbage_at_every_port_call_is_a_named_error_and_changes_nothing(call):
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(300), disk_bytes=SPEC.bytes_for(3000),
+                                       checkpoint_every_tokens=4)
+    good = Request((1, 2, 3), 4)
+    service.acquire(good, "n")
+    for value in GARBAGE:
+        shapes = {
+            "admit": [(value,)], "fits": [(value,)], "acquire": [(value, "n"), (good, value)],
+            "keeps": [(value,)], "release": [(value,), (Request((9,), 1),)],
+            "publish": [(good, "n", value, good), (good, value, (1, 2, 3), good), (good, "n", (1, 2, 3), value)],
+            "checkpoint": [(good, value, (1, 2, 3), 0), (good, SimObject(1, 1), value, 0)],
+            "prefetch": [(value, "n"), ((1, 2), value)], "peek_prefix_len": [(value, "n"), ((1, 2), value)],
+            "close_session": [(value,)], "tick": [(value,)], "objects.get": [(value,)],
+            "objects.put": [(value, SimObject(1, 1)), ("k", value)],
+        }[call]
+        target = service.objects if call.startswith("objects.") else service
+        method = getattr(target, call.split(".")[-1])
+        for args in shapes:
+            if isinstance(value, str) and (call in ("close_session", "objects.get")
+                                           or (call in ("prefetch", "peek_prefix_len") and args[0] == (1, 2))
+                                           or (call == "objects.put" and args[0] == value)):
+                continue  # any such string is a valid session, namespace or object key
+            if call == "tick" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                continue  # any number is a time
+            before = service.state
+            try:
+                method(*args)
+            except KvStateError:
+                pass
+            else:
+                raise AssertionError(f"{call}{args!r} was accepted")
+            assert service.state == before, f"{call}{args!r} changed the state"
