@@ -223,3 +223,23 @@ def test_a_crash_between_effects_loses_only_what_was_not_durable():
     for tokens in held:  # nothing claimed that was not written whole
         assert disk.files[DiskKey("n", tokens)].content == tokens
     assert serve(restarted, durable + (1,)).reused_tokens == 60
+
+
+def test_an_entry_idle_exactly_the_threshold_is_demoted():
+    service = build(demote_idle_after=60.0)
+    serve(service, tuple(range(100)))  # used at time 0
+    service.tick(59.999)
+    assert service.report().demotions == 0
+    service.tick(60.0)
+    assert service.report().demotions == 1
+
+
+def test_admitting_after_acquiring_holds_the_projected_bytes():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), kv_budget_bytes=SPEC.bytes_for(1000))
+    request = Request(tuple(range(100)), 50)
+    service.acquire(request, "n")  # a lease exists, not yet admitted
+    assert service.report().projected_bytes == 0
+    assert service.admit(request)
+    assert service.report().projected_bytes == SPEC.bytes_for(150)
+    service.release(request)
+    assert service.report().projected_bytes == 0
