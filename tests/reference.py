@@ -133,3 +133,46 @@ class NaiveLFU:
         victim = min(candidates, key=lambda k: (self.uses[k], self.last[k]))
         self.remove(victim)
         return victim
+
+
+class NaiveSIEVE:
+    """SIEVE over a plain list (oldest first), a visited map and the key the hand rests on."""
+
+    def __init__(self):
+        self.order: list = []
+        self.visited: dict = {}
+        self.hand = None
+
+    def remove(self, key):
+        if key not in self.visited:
+            return
+        i = self.order.index(key)
+        if self.hand == key:
+            self.hand = self.order[i + 1] if i + 1 < len(self.order) else None
+        self.order.pop(i)
+        del self.visited[key]
+
+    def insert(self, key):
+        self.remove(key)
+        self.order.append(key)
+        self.visited[key] = False
+
+    def access(self, key):
+        if key in self.visited:
+            self.visited[key] = True
+
+    def evict(self, evictable):
+        if not self.order:
+            return None
+        i = self.order.index(self.hand) if self.hand in self.visited else 0
+        for _ in range(2 * len(self.order) + 1):
+            key = self.order[i]
+            if evictable(key):
+                if self.visited[key]:
+                    self.visited[key] = False
+                else:
+                    self.remove(key)
+                    self.hand = self.order[i] if i < len(self.order) else None
+                    return key
+            i = (i + 1) % len(self.order)
+        return None

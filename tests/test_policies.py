@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvstate.core.policies import POLICIES, UnknownPolicy, policy
-from tests.reference import NaiveFIFO, NaiveLFU, NaiveLRU
+from tests.reference import NaiveFIFO, NaiveLFU, NaiveLRU, NaiveSIEVE
 
 CAPACITY = 100
 ops = st.lists(st.tuples(st.sampled_from(["put", "hit", "hit", "pin", "unpin", "remove"]), st.integers(0, 25),
@@ -70,7 +70,8 @@ def test_capacity_kept_and_pinned_never_evicted(name, operations):
     drive(policy(name), operations)
 
 
-@pytest.mark.parametrize("name, reference", [("lru", NaiveLRU), ("fifo", NaiveFIFO), ("lfu", NaiveLFU)])
+@pytest.mark.parametrize("name, reference", [("lru", NaiveLRU), ("fifo", NaiveFIFO), ("lfu", NaiveLFU),
+                                             ("sieve", NaiveSIEVE)])
 @settings(max_examples=300, deadline=None)
 @given(operations=ops)
 def test_agrees_exactly_with_reference(name, reference, operations):

@@ -93,7 +93,6 @@ def test_entries_pinned_by_a_write_in_flight_are_not_evicted():
 
     service = build(deferred=True)
     serve(service, tuple(range(200)))
-    assert service.report().pending_writes == 1
     request, tokens = Request(tuple(range(1000, 1200)), 4), tuple(range(1000, 1200))
     decided = step(service.state, ev.Publish(request, "n", tokens, 99, 200, SPEC.bytes_for(200), True))
     assert decided.reply == NotKept(NotKeptReason.NO_ROOM)  # the first is pinned by its write
@@ -173,6 +172,8 @@ def test_checkpoint_decisions_resume_and_completion():
     state = service.acquire(request, "n")
     caches = service.interpreter.prefill(state.caches, tuple(range(10)) + (50, 51, 52, 53))
     assert service.checkpoint(request, caches, caches.tokens, generated_tokens=4, pending_token=54)
+    flushed = service.flush()
+    assert flushed.durable and flushed.pending_writes == 0 and flushed.pending_write_bytes == 0
     service.release(request, completed=False)
     assert service.report().checkpoints == 1
     again = Request(tuple(range(10)), 20, continuation=Continuation("gen-1", seed=99))
@@ -243,3 +244,21 @@ def test_admitting_after_acquiring_holds_the_projected_bytes():
     assert service.report().projected_bytes == SPEC.bytes_for(150)
     service.release(request)
     assert service.report().projected_bytes == 0
+
+
+def test_checkpoint_of_a_request_without_a_continuation_says_so():
+    from kvstate import CheckpointNotAllowed
+    service = build(checkpoint_every_tokens=4)
+    request = Request(tuple(range(10)), 20)
+    state = service.acquire(request, "n")
+    caches = service.interpreter.prefill(state.caches, tuple(range(10)))
+    with pytest.raises(CheckpointNotAllowed, match="continuation"):
+        service.checkpoint(request, caches, caches.tokens, generated_tokens=0)
+
+
+def test_the_report_counts_prefill_tokens_saved_exactly():
+    service = build()
+    assert service.report().prefill_tokens_saved == 0
+    serve(service, tuple(range(40)))
+    state = serve(service, tuple(range(40)) + (1, 2))
+    assert service.report().prefill_tokens_saved == state.reused_tokens == 40
