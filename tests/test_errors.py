@@ -133,3 +133,13 @@ def test_bad_configuration():
 def test_errors_split_by_fault():
     assert issubclass(OverBudget, UsageError) and issubclass(UnknownRequest, UsageError)
     assert not issubclass(kvstate.StorageError, UsageError)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"checkpoint_every_tokens": 0}, "checkpoint_every_tokens"), ({"checkpoint_every_tokens": 2.5}, "checkpoint_every"),
+    ({"demote_idle_after": 0}, "demote_idle_after"), ({"write_queue_bytes": -1}, "write_queue_bytes"),
+    ({"kv_budget_bytes": True}, "kv_budget_bytes"),
+])
+def test_every_bad_setting_is_named(options, match):
+    with pytest.raises(InvalidConfig, match=match):
+        KvCacheService.simulated(SPEC, ram_bytes=10, disk_bytes=10, **options)

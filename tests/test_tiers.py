@@ -262,3 +262,14 @@ def test_the_report_counts_prefill_tokens_saved_exactly():
     serve(service, tuple(range(40)))
     state = serve(service, tuple(range(40)) + (1, 2))
     assert service.report().prefill_tokens_saved == state.reused_tokens == 40
+
+
+def test_a_disk_tier_filled_exactly_evicts_nothing():
+    one = SPEC.bytes_for(100)
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=2 * one)
+    serve(service, tuple(range(100)))
+    serve(service, tuple(range(1000, 1100)))
+    report = service.report()
+    assert report.saved_bytes == 2 * one and report.disk_evictions == 0
+    serve(service, tuple(range(2000, 2100)))
+    assert service.report().disk_evictions == 1
