@@ -63,3 +63,12 @@ def test_one_token_is_always_left_to_compute():
     assert exact_only.longest("n", (1, 2, 3)) == (0, None)
     assert exact_only.longest("n", (1, 2, 3, 4)) == (3, 1)
     assert exact_only.longest("n", (1, 2, 4, 4)) == (0, None)
+
+
+def test_removing_a_trimmable_entry_above_exact_only_ones_leaves_no_trimmable_claim():
+    index = (PrefixIndex().insert("n", (1, 2), 1, True).insert("n", (1, 2, 3), 2, False)
+             .insert("n", (1, 2, 4), 3, False))
+    assert index.longest("n", (1, 2, 5)) == (2, 1)
+    index = index.remove("n", (1, 2))
+    assert index.longest("n", (1, 2, 5)) == (0, None)
+    assert index.longest("n", (1, 2, 3, 9)) == (3, 2)
