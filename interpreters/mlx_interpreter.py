@@ -26,7 +26,8 @@ from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.disk_store import DiskStore, RejectedFile, WriteFailed
-from kvstate.interpreters.simulator import CacheFacts, InterpreterError
+from kvstate.interpreters.held import HeldState, InterpreterError
+from kvstate.interpreters.simulator import CacheFacts
 
 
 class _Writer:
@@ -72,7 +73,7 @@ class _Writer:
         self._thread.join()
 
 
-class MlxInterpreter:
+class MlxInterpreter(HeldState):
     """Carries out effects on mlx-lm caches for ``model``, with an optional disk store."""
 
     def __init__(self, model: Any, *, store: DiskStore | None = None, background_writes: bool = True,
@@ -80,10 +81,8 @@ class MlxInterpreter:
         self.model = model
         self.store = store
         self._clock = clock
-        self._ram: dict[int, list] = {}
-        self._handles: dict[int, list] = {}
+        super().__init__()
         self._writer = _Writer() if background_writes and store is not None else None
-        self.observers: list[Callable[[tuple[int, ...], str], None]] = []
         self._performers: dict[type, Callable[[Any], list]] = {
             fx.MakeFresh: self._make_fresh,
             fx.CloneEntry: self._clone_entry,
@@ -131,12 +130,6 @@ class MlxInterpreter:
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [] if self.store is None else self.store.saved_prefixes()
-
-    def unstage(self, handle: int) -> object:
-        return self._handles.pop(handle, None)
-
-    def take(self, handle: int) -> list:
-        return self._handles.pop(handle)
 
     def scan(self) -> Scanned:
         if self.store is None:
@@ -207,15 +200,6 @@ class MlxInterpreter:
         self._ram[e.entry] = caches
         return []
 
-    def _drop_published(self, e: fx.DropPublished) -> list:
-        self._handles.pop(e.handle, None)
-        return []
-
-    def _drop_entry(self, e: fx.DropEntry) -> list:
-        if self._ram.pop(e.entry, None) is None:
-            raise InterpreterError(f"drop of entry {e.entry}, which holds nothing in RAM")
-        return []
-
     def _spill_entry(self, e: fx.SpillEntry) -> list:
         store = self._store()
         encoded = store.encode_prefix(e.key, self._ram[e.entry], e.trimmable, e.nbytes)
@@ -247,11 +231,6 @@ class MlxInterpreter:
     def _delete_file(self, e: fx.DeleteFile) -> list:
         store = self._store()
         self._ordered(lambda: store.delete_prefix(e.key))
-        return []
-
-    def _notify_kept(self, e: fx.NotifyKept) -> list:
-        for observe in self.observers:
-            observe(e.key.tokens, e.key.namespace)
         return []
 
     def _write_checkpoint(self, e: fx.WriteCheckpoint) -> list:

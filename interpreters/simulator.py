@@ -18,6 +18,7 @@ import attrs
 
 from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.events import SavedRecord, Scanned
+from kvstate.interpreters.held import HeldState, InterpreterError
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.models.spec import ModelSpec
@@ -27,10 +28,6 @@ Reason = done.FailureReason
 
 class SimulatedCrash(KvStateError):
     """The fault plan crashed the service here; what the simulated disk holds survives."""
-
-
-class InterpreterError(KvStateError, AssertionError):
-    """An effect the interpreter cannot carry out: the core asked for something impossible (a bug)."""
 
 
 @attrs.frozen(eq=False)
@@ -137,7 +134,7 @@ class SimStats:
     write_seconds: float = 0.0
 
 
-class SimulatorInterpreter:
+class SimulatorInterpreter(HeldState):
     """Carries out effects in memory; the service facade drives it."""
 
     def __init__(self, model: ModelSpec, *, identity: str = "sim", cost: CostModel | None = None,
@@ -150,9 +147,7 @@ class SimulatorInterpreter:
         self.deferred_writes = deferred_writes
         self.stats = SimStats()
         self.now = 0.0
-        self.observers: list[Callable[[tuple[int, ...], str], None]] = []
-        self._ram: dict[int, SimCaches] = {}
-        self._handles: dict[int, SimCaches] = {}
+        super().__init__()
         self._pending: deque[tuple[fx.Effect, SimCaches]] = deque()
         self._performers: dict[type, Callable[[fx.Effect], list]] = {
             fx.MakeFresh: self._make_fresh,
@@ -198,14 +193,6 @@ class SimulatorInterpreter:
         """``(namespace, tokens)`` of every saved prefix of this identity."""
         return [(f.namespace, f.tokens) for f in self.disk.files.values()
                 if f.identity == self.identity and f.payload is None]
-
-    def unstage(self, handle: int) -> object:
-        """Give back caches staged under ``handle`` (the call that staged them failed)."""
-        return self._handles.pop(handle, None)
-
-    def take(self, handle: int) -> SimCaches:
-        """Hand the caches under ``handle`` to the caller."""
-        return self._handles.pop(handle)
 
     def scan(self) -> Scanned:
         """What the disk holds for this identity; foreign and corrupt files are moved aside."""
@@ -273,15 +260,6 @@ class SimulatorInterpreter:
         self._ram[e.entry] = self._handles.pop(e.handle)
         return []
 
-    def _drop_published(self, e: fx.DropPublished) -> list:
-        self._handles.pop(e.handle, None)
-        return []
-
-    def _drop_entry(self, e: fx.DropEntry) -> list:
-        if self._ram.pop(e.entry, None) is None:
-            raise InterpreterError(f"drop of entry {e.entry}, which holds nothing in RAM")
-        return []
-
     def _write(self, e: fx.SpillEntry | fx.WriteCheckpoint) -> list:
         caches = self._ram[e.entry] if isinstance(e, fx.SpillEntry) else self._handles.pop(e.handle)
         if self.deferred_writes:
@@ -338,11 +316,6 @@ class SimulatorInterpreter:
 
     def _delete_file(self, e: fx.DeleteFile) -> list:
         self.disk.files.pop(e.key, None)
-        return []
-
-    def _notify_kept(self, e: fx.NotifyKept) -> list:
-        for observe in self.observers:
-            observe(e.key.tokens, e.key.namespace)
         return []
 
     def _delete_checkpoint(self, e: fx.DeleteCheckpoint) -> list:
