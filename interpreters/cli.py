@@ -167,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     simulate.add_argument("--processes", type=int, default=None, help="parallel runs (default: one per core)")
     simulate.add_argument("--progress", action="store_true", help="show the progress bar even when not a tty")
-    simulate.add_argument("--json", help="write the rows as JSON here")
-    simulate.add_argument("--plot", help="write a PNG plot of hit ratio against capacity here")
+    simulate.add_argument("--json", default="kvstate-lab.json",
+                          help="write the rows as JSON here (default kvstate-lab.json; '' for none)")
+    simulate.add_argument("--plot", default="kvstate-lab.png",
+                          help="write a PNG plot of hit ratio against capacity here (default kvstate-lab.png; '' "
+                               "for none)")
     simulate.set_defaults(run=_simulate)
     demo = commands.add_parser(
         "demo", help="the reference scheduler on a tiny model over a seeded multi-turn chat, with a disk tier",

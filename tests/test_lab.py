@@ -195,3 +195,13 @@ def test_simulate_command_writes_rows_and_a_plot(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--granularity", "prefix",
                           "--policy", "arc", "--synthetic", "rag"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not available at prefix granularity" in bad.stderr
+
+
+def test_simulate_with_no_arguments_writes_the_table_json_and_plot(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--limit", "2000"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "bundled Mooncake conversation trace" in done.stdout and "(unbounded)" in done.stdout
+    rows = json.loads((tmp_path / "kvstate-lab.json").read_text())
+    assert len(rows) == 8 * 5
+    assert (tmp_path / "kvstate-lab.png").read_bytes()[:4] == b"\x89PNG"
