@@ -18,7 +18,7 @@ import itertools
 import json
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import attrs
 
@@ -49,21 +49,27 @@ class TraceRequest:
         return tuple(itertools.islice(itertools.chain.from_iterable(blocks), self.input_length))
 
 
-def read_mooncake(path: str | Path) -> Iterator[TraceRequest]:
-    """The requests of a Mooncake JSONL trace, in file order."""
+def trace_records(path: str | Path, kind: str, read: Callable[[dict], Any]) -> Iterator[tuple[int, Any]]:
+    """``(line number, read(record))`` for every JSON line of ``path``; a bad line names itself."""
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                request = TraceRequest(int(record["timestamp"]), int(record["input_length"]),
-                                       int(record["output_length"]), tuple(int(h) for h in record["hash_ids"]))
+                yield number, read(json.loads(line))
             except (ValueError, KeyError, TypeError) as error:
-                raise TraceFormatError(f"{path}:{number}: not a Mooncake request record ({error})") from None
-            if request.input_length < 1 or not request.hash_ids:
-                raise TraceFormatError(f"{path}:{number}: a request needs input_length >= 1 and hash_ids")
-            yield request
+                raise TraceFormatError(f"{path}:{number}: not a {kind} record ({error})") from None
+
+
+def read_mooncake(path: str | Path) -> Iterator[TraceRequest]:
+    """The requests of a Mooncake JSONL trace, in file order."""
+    def request_of(record: dict) -> TraceRequest:
+        return TraceRequest(int(record["timestamp"]), int(record["input_length"]), int(record["output_length"]),
+                            tuple(int(h) for h in record["hash_ids"]))
+    for number, request in trace_records(path, "Mooncake request", request_of):
+        if request.input_length < 1 or not request.hash_ids:
+            raise TraceFormatError(f"{path}:{number}: a request needs input_length >= 1 and hash_ids")
+        yield request
 
 
 @attrs.frozen

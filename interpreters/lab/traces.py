@@ -17,7 +17,7 @@ from typing import Iterable
 
 import attrs
 
-from kvstate.interpreters.replay import BLOCK_TOKENS, TraceFormatError, read_mooncake
+from kvstate.interpreters.replay import BLOCK_TOKENS, TraceFormatError, read_mooncake, trace_records
 
 
 @attrs.frozen
@@ -78,27 +78,22 @@ def kvstate_jsonl(path: str | Path) -> Trace:
     and either ``tokens`` (ids, cut into 512-token blocks here) or ``blocks`` (chained ids) with
     ``input_length``."""
     chainer, requests = BlockChainer(), []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                namespace = str(record.get("namespace", "default"))
-                if "tokens" in record:
-                    tokens = [int(t) for t in record["tokens"]]
-                    chunks = [tuple(tokens[i:i + BLOCK_TOKENS]) for i in range(0, len(tokens), BLOCK_TOKENS)]
-                    blocks, length = chainer.chain(namespace, chunks), len(tokens)
-                else:
-                    blocks = chainer.chain(namespace, (("id", int(b)) for b in record["blocks"]))
-                    length = int(record.get("input_length", len(blocks) * BLOCK_TOKENS))
-                request = LabRequest(float(record.get("arrival", 0.0)), length, int(record["output_length"]),
-                                     blocks, record.get("session"), namespace)
-            except (ValueError, KeyError, TypeError) as error:
-                raise TraceFormatError(f"{path}:{number}: not a kvstate trace record ({error})") from None
-            if not blocks or length < 1:
-                raise TraceFormatError(f"{path}:{number}: a request needs at least one token")
-            requests.append(request)
+
+    def request_of(record: dict) -> LabRequest:
+        namespace = str(record.get("namespace", "default"))
+        if "tokens" in record:
+            tokens = [int(t) for t in record["tokens"]]
+            chunks = [tuple(tokens[i:i + BLOCK_TOKENS]) for i in range(0, len(tokens), BLOCK_TOKENS)]
+            blocks, length = chainer.chain(namespace, chunks), len(tokens)
+        else:
+            blocks = chainer.chain(namespace, (("id", int(b)) for b in record["blocks"]))
+            length = int(record.get("input_length", len(blocks) * BLOCK_TOKENS))
+        return LabRequest(float(record.get("arrival", 0.0)), length, int(record["output_length"]), blocks,
+                          record.get("session"), namespace)
+    for number, request in trace_records(path, "kvstate trace", request_of):
+        if not request.blocks or request.input_length < 1:
+            raise TraceFormatError(f"{path}:{number}: a request needs at least one token")
+        requests.append(request)
     return Trace(Path(path).name, tuple(sorted(requests, key=lambda r: r.arrival)))
 
 
