@@ -1,49 +1,73 @@
 """Mutation testing of core/: change one operator or constant, run the core's tests, count who notices.
 
-A sample of mutation sites (comparisons flipped, + and - swapped, and/or swapped, True/False
-swapped, small integers moved by one) across ``core/``, drawn with a fixed seed. Each mutant is
-written into a copy of the source tree, the core's tests run against it, and a failing run kills
-it. Prints killed / total and the survivors, with file and line.
+Mutation sites are comparisons flipped, + and - swapped, and/or swapped, True/False swapped, and
+small integers moved by one, across ``core/``. Each mutant is written into a private copy of the
+source tree, the core's tests run against it (fastest first, stopping at the first failure, with a
+fixed hypothesis seed), and a failing run kills it. Workers run mutants in parallel, one tree each.
 
-    python tools/mutants.py [--sample 30] [--seed 0]
+Survivors that cannot change behaviour are listed, with the reason, in ``tools/equivalent_mutants.txt``;
+the tool reports them apart and names any survivor that has no explanation.
+
+    python tools/mutants.py --all [--jobs 16] [--json mutants.json]
+    python tools/mutants.py --sample 30 --seed 0
+    python tools/mutants.py --rerun mutants.json      # only the survivors of an earlier run
+    python tools/mutants.py --all --shard 1/2         # every other site, to split a run across machines
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_model_check.py", "tests/test_model_check_checkpoints.py", "tests/test_policies.py",
-         "tests/test_prefix_index.py", "tests/test_tiers.py", "tests/test_errors.py", "tests/test_lifecycle.py",
-         "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures"]
+EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
+TESTS = ["tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py", "tests/test_lifecycle.py",
+         "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
+         "tests/test_model_check_checkpoints.py", "tests/test_model_check.py"]
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Add: ast.Sub, ast.Sub: ast.Add, ast.And: ast.Or, ast.Or: ast.And}
+SYMBOLS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Add: "+",
+           ast.Sub: "-", ast.And: "and", ast.Or: "or"}
 
 
-def sites(path: Path) -> list[tuple[int, str]]:
+def sites(path: Path) -> list[dict]:
+    """Every mutation site of one file: its node's walk index, and a name that says what changes."""
     tree = ast.parse(path.read_text())
     found = []
     for index, node in enumerate(ast.walk(tree)):
         if isinstance(node, ast.Compare) and type(node.ops[0]) in SWAPS:
-            found.append((index, "compare"))
+            old = type(node.ops[0])
         elif isinstance(node, (ast.BinOp, ast.BoolOp)) and type(node.op) in SWAPS:
-            found.append((index, "operator"))
+            old = type(node.op)
         elif isinstance(node, ast.Constant) and (node.value is True or node.value is False):
-            found.append((index, "boolean"))
+            found.append(_site(path, index, node, f"{node.value} -> {not node.value}"))
+            continue
         elif isinstance(node, ast.Constant) and type(node.value) is int and node.value in (0, 1, 2):
-            found.append((index, "integer"))
+            found.append(_site(path, index, node, f"{node.value} -> {node.value + 1}"))
+            continue
+        else:
+            continue
+        found.append(_site(path, index, node, f"{SYMBOLS[old]} -> {SYMBOLS[SWAPS[old]]}"))
     return found
 
 
-def mutate(path: Path, index: int) -> tuple[str, int]:
+def _site(path: Path, index: int, node: ast.AST, change: str) -> dict:
+    where = f"{path.relative_to(ROOT)}:{node.lineno}:{node.col_offset}"
+    return {"file": str(path.relative_to(ROOT)), "index": index, "where": where, "change": change,
+            "name": f"{where} {change}"}
+
+
+def mutate(path: Path, index: int) -> str:
     tree = ast.parse(path.read_text())
     for i, node in enumerate(ast.walk(tree)):
         if i != index:
@@ -56,8 +80,20 @@ def mutate(path: Path, index: int) -> tuple[str, int]:
             node.value = not node.value
         else:
             node.value = node.value + 1
-        return ast.unparse(tree), getattr(node, "lineno", 0)
+        return ast.unparse(tree)
     raise IndexError(index)
+
+
+def explanations() -> dict[str, str]:
+    """``name  # reason`` lines of the equivalent-mutant list, by site name."""
+    if not EXPLAINED.exists():
+        return {}
+    found = {}
+    for line in EXPLAINED.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, reason = line.partition("#")
+            found[name.strip()] = reason.strip()
+    return found
 
 
 def package(tree: Path) -> Path:
@@ -71,49 +107,105 @@ def package(tree: Path) -> Path:
     return tree / "_pkg"
 
 
-def check_imports_the_copy(tree: Path, env: dict) -> None:
+def copy_tree(into: Path) -> tuple[Path, dict]:
+    tree = into / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", "*.pyc", ".whl", ".gpu-*",
+                                                              "__pycache__", ".hypothesis", "kvstate-lab.*"))
+    path = os.pathsep.join(filter(None, [str(package(tree)), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "KVSTATE_CHECK_PROFILE": "ci",
+           "PYTHONDONTWRITEBYTECODE": "1"}
     done = subprocess.run([sys.executable, "-c", "import kvstate.core.transitions as t; print(t.__file__)"],
                           cwd=tree, env=env, capture_output=True, text=True)
     if not done.stdout.strip().startswith(str(tree)):
         raise SystemExit(f"the tests would not import the mutated copy: {done.stdout}{done.stderr}")
+    return tree, env
+
+
+def run_one(site: dict, tree: Path, env: dict, timeout: float) -> tuple[bool, float, str]:
+    """Kill or not: the tests against ``tree`` with this one mutation applied; restores the file after."""
+    target = tree / site["file"]
+    original = target.read_text()
+    target.write_text(mutate(ROOT / site["file"], site["index"]))
+    shutil.rmtree(tree / ".hypothesis", ignore_errors=True)  # no example found for another mutant is replayed
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "--hypothesis-seed=0", *TESTS], cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        dead, how = done.returncode != 0, _first_failure(done.stdout)
+    except subprocess.TimeoutExpired:
+        dead, how = True, f"timed out after {timeout:.0f} s"
+    finally:
+        target.write_text(original)
+    return dead, time.perf_counter() - start, how
+
+
+def _first_failure(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith("FAILED") or line.startswith("ERROR"):
+            return line
+    return ""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sample", type=int, default=30)
+    chosen_by = parser.add_mutually_exclusive_group()
+    chosen_by.add_argument("--all", action="store_true", help="every site in core/")
+    chosen_by.add_argument("--sample", type=int, default=30, help="this many sites, drawn with --seed")
+    chosen_by.add_argument("--rerun", type=Path, nargs="+", help="the survivors recorded in these JSONs of earlier runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard", default="1/1", help="K/N: run every Nth chosen mutant from the Kth, to split a run")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a mutant may run; a hang kills it")
+    parser.add_argument("--json", type=Path, help="write every mutant's outcome here")
     args = parser.parse_args()
-    files = sorted((ROOT / "core").rglob("*.py"))
-    everything = [(f, i, kind) for f in files for i, kind in sites(f)]
-    chosen = random.Random(args.seed).sample(everything, min(args.sample, len(everything)))
-    killed, survivors = 0, []
+
+    everything = [site for f in sorted((ROOT / "core").rglob("*.py")) for site in sites(f)]
+    if args.all:
+        chosen = everything
+    elif args.rerun:
+        wanted = {m["name"] for run in args.rerun for m in json.loads(run.read_text())["mutants"] if not m["killed"]}
+        chosen = [site for site in everything if site["name"] in wanted]
+    else:
+        chosen = random.Random(args.seed).sample(everything, min(args.sample, len(everything)))
+    k, n = (int(part) for part in args.shard.split("/"))
+    chosen = chosen[k - 1::n]
+    explained = explanations()
+
     with tempfile.TemporaryDirectory() as scratch:
-        tree = Path(scratch) / "tree"
-        shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", "*.pyc", ".whl",
-                                                                  ".gpu-*", "__pycache__"))
-        pythonpath = package(tree)
-        check_imports_the_copy(tree, {**os.environ, "PYTHONPATH": str(pythonpath)})
-        for number, (path, index, kind) in enumerate(chosen, 1):
-            target = tree / path.relative_to(ROOT)
-            original = target.read_text()
-            source, line = mutate(path, index)
-            target.write_text(source)
-            env = {**os.environ, "PYTHONPATH": str(pythonpath), "KVSTATE_CHECK_PROFILE": "ci"}
+        trees = [copy_tree(Path(scratch) / f"w{n}") for n in range(max(1, min(args.jobs, len(chosen))))]
+        free = list(trees)
+        outcomes: list[dict] = []
+
+        def work(site: dict) -> dict:
+            tree, env = free.pop()
             try:
-                done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
-                                      cwd=tree, env=env, capture_output=True, text=True, timeout=300)
-                dead = done.returncode != 0
-            except subprocess.TimeoutExpired:
-                dead = True
-            target.write_text(original)
-            where = f"{path.relative_to(ROOT)}:{line} ({kind})"
-            killed += dead
-            if not dead:
-                survivors.append(where)
-            print(f"[{number}/{len(chosen)}] {'killed ' if dead else 'SURVIVED'} {where}", flush=True)
-    print(f"\nkilled {killed} of {len(chosen)} mutants ({killed / len(chosen):.0%}) out of {len(everything)} sites")
-    for where in survivors:
-        print(f"  survivor: {where}")
+                dead, seconds, how = run_one(site, tree, env, args.timeout)
+            finally:
+                free.append((tree, env))
+            outcome = {**site, "killed": dead, "seconds": round(seconds, 1), "by": how}
+            label = "killed  " if dead else ("explained" if site["name"] in explained else "SURVIVED")
+            outcomes.append(outcome)
+            print(f"[{len(outcomes)}/{len(chosen)}] {label} {site['name']}  ({seconds:.0f} s)", flush=True)
+            return outcome
+
+        with ThreadPoolExecutor(len(trees)) as pool:
+            list(pool.map(work, chosen))
+
+    outcomes.sort(key=lambda m: (m["file"], m["index"]))
+    killed = sum(m["killed"] for m in outcomes)
+    survivors = [m for m in outcomes if not m["killed"]]
+    unexplained = [m for m in survivors if m["name"] not in explained]
+    print(f"\nkilled {killed} of {len(outcomes)} mutants ({killed / max(1, len(outcomes)):.1%}); "
+          f"{len(survivors) - len(unexplained)} survivors explained as equivalent, {len(unexplained)} unexplained; "
+          f"{len(everything)} sites in core/")
+    for m in unexplained:
+        print(f"  unexplained survivor: {m['name']}")
+    names = {site["name"] for site in everything}
+    for name in sorted(set(explained) - names):
+        print(f"  stale explanation (no such site now): {name}")
+    if args.json:
+        args.json.write_text(json.dumps({"sites": len(everything), "killed": killed, "mutants": outcomes}, indent=1))
 
 
 if __name__ == "__main__":
