@@ -43,11 +43,12 @@ def longest_usable(held, namespace: str, prompt: tuple) -> int:
 
 
 class NaiveFifoPrefixCache:
-    """Kept prefixes under a byte capacity, evicted oldest-kept first."""
+    """Kept prefixes under a byte capacity, evicted oldest-kept first, with the counts a report shows."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.items: OrderedDict[tuple, tuple[int, bool]] = OrderedDict()
+        self.counts = {"kept": 0, "duplicates": 0, "not_kept": 0, "evictions": 0, "demotions": 0}
 
     @property
     def held_bytes(self) -> int:
@@ -55,16 +56,22 @@ class NaiveFifoPrefixCache:
 
     def put(self, key: tuple, size: int, trimmable: bool) -> bool:
         if key in self.items:
+            self.counts["duplicates"] += 1
             return True
         if size > self.capacity:
+            self.counts["not_kept"] += 1
             return False
         while self.held_bytes + size > self.capacity:
             self.items.popitem(last=False)
+            self.counts["evictions"] += 1
         self.items[key] = (size, trimmable)
+        self.counts["kept"] += 1
         return True
 
     def drop_oldest(self) -> None:
+        """Given back under memory pressure (a demotion: with no disk tier it is gone)."""
         self.items.popitem(last=False)
+        self.counts["demotions"] += 1
 
     def held(self):
         return [(ns, tokens, trim) for (ns, tokens), (_, trim) in self.items.items()]
@@ -76,7 +83,7 @@ class NaiveLRU:
     def __init__(self):
         self.order: list = []
 
-    def insert(self, key):
+    def insert(self, key, size=0, cost=0.0, tag=0):
         if key in self.order:
             self.order.remove(key)
         self.order.append(key)
@@ -111,7 +118,7 @@ class NaiveLFU:
         self.last: dict = {}
         self.clock = 0
 
-    def insert(self, key):
+    def insert(self, key, size=0, cost=0.0, tag=0):
         self.clock += 1
         self.uses[key] = 1
         self.last[key] = self.clock
@@ -152,7 +159,7 @@ class NaiveSIEVE:
         self.order.pop(i)
         del self.visited[key]
 
-    def insert(self, key):
+    def insert(self, key, size=0, cost=0.0, tag=0):
         self.remove(key)
         self.order.append(key)
         self.visited[key] = False
@@ -176,3 +183,96 @@ class NaiveSIEVE:
                     return key
             i = (i + 1) % len(self.order)
         return None
+
+
+class NaiveGDSF:
+    """Greedy-Dual-Size-Frequency over a plain dict: the lowest ``L + uses * cost / size`` goes first,
+    ties to the one set longest ago, and ``L`` rises to each victim's priority."""
+
+    def __init__(self):
+        self.keys: dict = {}  # key -> [uses, size, cost, priority, stamp]
+        self.inflation = 0.0
+        self.clock = 0
+
+    def _set(self, key, uses, size, cost):
+        self.clock += 1
+        self.keys[key] = [uses, size, cost, self.inflation + uses * cost / max(size, 1), self.clock]
+
+    def insert(self, key, size=0, cost=0.0, tag=0):
+        self._set(key, 1, size, cost)
+
+    def access(self, key):
+        if key in self.keys:
+            uses, size, cost, _, _ = self.keys[key]
+            self._set(key, uses + 1, size, cost)
+
+    def remove(self, key):
+        self.keys.pop(key, None)
+
+    def evict(self, evictable):
+        candidates = [k for k in self.keys if evictable(k)]
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda k: (self.keys[k][3], self.keys[k][4]))
+        self.inflation = max(self.inflation, self.keys.pop(victim)[3])
+        return victim
+
+
+class NaiveS3FIFO:
+    """S3-FIFO (Yang et al., SOSP'23, Algorithm 1) over plain lists: a small FIFO of a tenth of the
+    capacity, a main FIFO, a ghost list of evicted content no longer than main, uses capped at 3."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.small: list = []
+        self.main: list = []
+        self.freq: dict = {}
+        self.size: dict = {}
+        self.tag: dict = {}
+        self.ghost: list = []  # content tags, oldest first
+
+    def insert(self, key, size=0, cost=0.0, tag=0):
+        self.remove(key)
+        remembered = tag in self.ghost
+        if remembered:
+            self.ghost.remove(tag)
+        self.freq[key], self.size[key], self.tag[key] = 0, size, tag
+        (self.main if remembered else self.small).append(key)
+
+    def access(self, key):
+        if key in self.freq:
+            self.freq[key] = min(self.freq[key] + 1, 3)
+
+    def remove(self, key):
+        for queue in (self.small, self.main):
+            if key in queue:
+                queue.remove(key)
+        for table in (self.freq, self.size, self.tag):
+            table.pop(key, None)
+
+    def evict(self, evictable):
+        while True:
+            small = next((k for k in self.small if evictable(k)), None)
+            main = next((k for k in self.main if evictable(k)), None)
+            if small is None and main is None:
+                return None
+            if small is not None and (sum(self.size[k] for k in self.small) > 0.1 * self.capacity or main is None):
+                if self.freq[small] > 1:  # used again while on probation: promote, uses spent
+                    self.small.remove(small)
+                    self.main.append(small)
+                    self.freq[small] = 0
+                    continue
+                tag = self.tag[small]
+                self.remove(small)
+                if tag in self.ghost:
+                    self.ghost.remove(tag)
+                self.ghost.append(tag)
+                del self.ghost[:max(0, len(self.ghost) - max(1, len(self.main)))]
+                return small
+            if self.freq[main] > 0:  # used since it was queued: once more round, one use less
+                self.main.remove(main)
+                self.main.append(main)
+                self.freq[main] -= 1
+                continue
+            self.remove(main)
+            return main

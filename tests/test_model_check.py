@@ -225,6 +225,7 @@ class ExactServiceMachine(BaseMachine):
         self.sessions: dict[str, tuple] = {}
         self.session_hits = self.session_misses = 0
         self.object_hits = self.object_misses = 0
+        self.hits = self.misses = self.tokens_saved = 0
 
     @initialize(hybrid=st.booleans())
     def build(self, hybrid):
@@ -237,6 +238,10 @@ class ExactServiceMachine(BaseMachine):
         expected = longest_usable(self.reference.held(), live.namespace, prompt) if request.reuses_prefix else 0
         assert state.reused_tokens == expected
         assert state.caches.tokens == prompt[:expected]
+        if request.reuses_prefix:
+            self.hits += expected > 0
+            self.misses += expected == 0
+            self.tokens_saved += expected
         session = request.session_id
         if request.reuses_prefix and session in self.sessions:
             key = self.sessions[session]
@@ -281,6 +286,15 @@ class ExactServiceMachine(BaseMachine):
         assert report.bytes == self.reference.held_bytes
         assert (report.session_hits, report.session_misses) == (self.session_hits, self.session_misses)
         assert (report.object_hits, report.object_misses) == (self.object_hits, self.object_misses)
+        assert (report.hits, report.misses, report.prefill_tokens_saved) == (self.hits, self.misses,
+                                                                             self.tokens_saved)
+        counted = {name: getattr(report, name) for name in self.reference.counts}
+        assert counted == self.reference.counts
+        assert report.entries == len(self.reference.items)
+        disk_only = ("spills", "restores", "prefetches", "disk_evictions", "rejected_files", "dropped_writes",
+                     "failed_writes", "checkpoints_written", "resumes", "object_restores", "saved_entries",
+                     "saved_bytes", "pending_writes", "pending_write_bytes", "checkpoints")
+        assert {name: getattr(report, name) for name in disk_only} == dict.fromkeys(disk_only, 0)
 
 
 class TieredServiceMachine(BaseMachine):

@@ -1,11 +1,17 @@
-"""Every eviction policy: capacity kept, pinned keys never evicted, and LRU/FIFO/LFU exactly as their references."""
+"""Every eviction policy: capacity kept, pinned keys never evicted, each exactly as its naive reference,
+and its memory bounded by what it holds."""
 
+import random
+
+import attrs
 import hypothesis.strategies as st
+import immutables
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from kvstate.core.policies import POLICIES, UnknownPolicy, policy
-from tests.reference import NaiveFIFO, NaiveLFU, NaiveLRU, NaiveSIEVE
+from kvstate.core.policies.base import StampQueue
+from tests.reference import NaiveFIFO, NaiveGDSF, NaiveLFU, NaiveLRU, NaiveS3FIFO, NaiveSIEVE
 
 CAPACITY = 100
 ops = st.lists(st.tuples(st.sampled_from(["put", "hit", "hit", "pin", "unpin", "remove"]), st.integers(0, 25),
@@ -32,9 +38,10 @@ def drive(strategy, operations, reference=None):
                 evicted.append(victim)
             if sum(sizes.values()) + size <= CAPACITY:
                 sizes[key] = size
-                state = strategy.inserted(state, key, size, float(size * (key % 3 + 1)), key % 7)
+                cost, tag = float(size * (key % 3 + 1)), key % 7
+                state = strategy.inserted(state, key, size, cost, tag)
                 if reference is not None:
-                    reference.insert(key)
+                    reference.insert(key, size, cost, tag)
         elif op == "hit" and key in sizes:
             state = strategy.accessed(state, key)
             if reference is not None:
@@ -71,9 +78,18 @@ def test_capacity_kept_and_pinned_never_evicted(name, operations):
 
 
 @pytest.mark.parametrize("name, reference", [("lru", NaiveLRU), ("fifo", NaiveFIFO), ("lfu", NaiveLFU),
-                                             ("sieve", NaiveSIEVE)])
+                                             ("sieve", NaiveSIEVE), ("gdsf", NaiveGDSF),
+                                             ("s3fifo", lambda: NaiveS3FIFO(CAPACITY))])
 @settings(max_examples=300, deadline=None)
 @given(operations=ops)
+# GDSF: a hit adds one use, not two (after the first eviction key 0 ties key 6 and goes, being older);
+# an entry starts with one use (key 2's two uses at priority 6 outrank key 5 at L = 2 plus 3).
+@example(operations=[("put", 0, 40), ("put", 3, 40), ("hit", 0, 0), ("put", 6, 40), ("put", 9, 40)])
+@example(operations=[("put", 2, 40), ("put", 1, 40), ("hit", 2, 0), ("put", 5, 40), ("put", 8, 40)])
+# S3-FIFO: uses are capped at 3 (keys 0 and 1, promoted to main, then used 4 and 3 times: 0 goes first).
+@example(operations=[("put", 0, 5), ("hit", 0, 0), ("hit", 0, 0), ("put", 1, 5), ("hit", 1, 0), ("hit", 1, 0),
+                     ("put", 2, 85), ("put", 3, 10)] + [("hit", 0, 0)] * 4 + [("hit", 1, 0)] * 3
+                    + [("pin", 3, 0), ("put", 4, 85)])
 def test_agrees_exactly_with_reference(name, reference, operations):
     drive(policy(name), operations, reference())
 
@@ -101,3 +117,66 @@ def test_old_policy_states_never_change():
         state = strategy.accessed(state, key // 2)
     for old, victim in states:
         assert strategy.evict(old, lambda k: True)[1] == victim
+
+
+def footprint(state) -> int:
+    """Slots, heap items and table rows a policy state holds, live or stale."""
+    total = 0
+    for field in attrs.fields(type(state)):
+        value = getattr(state, field.name)
+        if isinstance(value, StampQueue):
+            total += len(value.slots)
+        elif isinstance(value, immutables.Map):
+            total += len(value) + sum(len(v.slots) for v in value.values() if isinstance(v, StampQueue))
+    return total + getattr(state, "items", 0)  # GDSF's heap, live and stale items
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_memory_stays_bounded_by_what_is_held_however_long_it_runs(name, seed):
+    """Thousands of requests over at most 12 held keys: stale queue slots are compacted away,
+    not kept for ever (a long-running service would leak them)."""
+    rng, strategy = random.Random(seed), policy(name)
+    state, held, largest = strategy.empty(CAPACITY), set(), 0
+    for key in range(4000):
+        if len(held) == 12:
+            state, victim = strategy.evict(state, lambda k: True)
+            held.discard(victim)
+        state = strategy.inserted(state, key, 8, 8.0, rng.randrange(20))
+        held.add(key)
+        for _ in range(rng.randrange(3)):
+            state = strategy.accessed(state, rng.choice(sorted(held)))
+        largest = max(largest, footprint(state))
+    # Tables of 12 rows and queues (LFU: one per use count held) compacted past 2 * 12 + 64 slots stay far
+    # below the 4,000 slots a queue that is never compacted would hold by now.
+    assert largest < 1200
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=100, deadline=None)
+@given(operations=ops)
+def test_a_policy_that_forgot_every_key_keeps_no_row_for_any(name, operations):
+    """After every key is removed or evicted, no per-key table keeps a row (S3-FIFO's ghost list of
+    evicted content is the one memory meant to outlive its keys)."""
+    strategy = policy(name)
+    state = strategy.empty(CAPACITY)
+    state = strategy.empty(CAPACITY)
+    keys = set()
+    for op, key, size in operations:
+        if op == "put":
+            state = strategy.inserted(state, key, size, float(size), key % 7)
+            keys.add(key)
+        elif op == "hit":
+            state = strategy.accessed(state, key)
+        elif op == "remove":
+            state = strategy.removed(state, key)
+            keys.discard(key)
+    while True:
+        state, victim = strategy.evict(state, lambda k: True)
+        if victim is None:
+            break
+        keys.remove(victim)
+    assert not keys
+    rows = {field.name: len(getattr(state, field.name)) for field in attrs.fields(type(state))
+            if isinstance(getattr(state, field.name), immutables.Map) and field.name != "ghost_tags"}
+    assert rows == dict.fromkeys(rows, 0)

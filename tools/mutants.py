@@ -11,6 +11,7 @@ the tool reports them apart and names any survivor that has no explanation.
     python tools/mutants.py --all [--jobs 16] [--json mutants.json]
     python tools/mutants.py --sample 30 --seed 0
     python tools/mutants.py --rerun mutants.json      # only the survivors of an earlier run
+    python tools/mutants.py --only core/state.py:224  # the mutants of one line (or one site)
     python tools/mutants.py --all --shard 1/2         # every other site, to split a run across machines
 """
 
@@ -152,6 +153,7 @@ def main() -> None:
     chosen_by = parser.add_mutually_exclusive_group()
     chosen_by.add_argument("--all", action="store_true", help="every site in core/")
     chosen_by.add_argument("--sample", type=int, default=30, help="this many sites, drawn with --seed")
+    chosen_by.add_argument("--only", nargs="+", help="the sites whose names start with these, e.g. core/state.py:224")
     chosen_by.add_argument("--rerun", type=Path, nargs="+", help="the survivors recorded in these JSONs of earlier runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard", default="1/1", help="K/N: run every Nth chosen mutant from the Kth, to split a run")
@@ -163,6 +165,8 @@ def main() -> None:
     everything = [site for f in sorted((ROOT / "core").rglob("*.py")) for site in sites(f)]
     if args.all:
         chosen = everything
+    elif args.only:
+        chosen = [site for site in everything if site["name"].startswith(tuple(args.only))]
     elif args.rerun:
         wanted = {m["name"] for run in args.rerun for m in json.loads(run.read_text())["mutants"] if not m["killed"]}
         chosen = [site for site in everything if site["name"] in wanted]

@@ -55,7 +55,8 @@ class StampQueue:
 
     A slot is live while ``stamps[key] == stamp``; re-queueing a key gives it a
     new stamp, so its old slot goes stale without being found and removed. The
-    queue is rebuilt from its live slots when stale ones outnumber them.
+    queue is rebuilt from its live slots when its slots, behind the head or not, outnumber
+    twice the live ones.
     (pyrsistent's pvector is C and appends in ~0.1 µs; slicing it would copy,
     so the front is an index, not a slice.)
     """
@@ -75,8 +76,9 @@ class StampQueue:
                 yield i, key, stamp
 
     def compacted(self, stamps: immutables.Map) -> "StampQueue":
-        """The same live slots, stale ones dropped, when they have piled up."""
-        if len(self.slots) - self.head <= 2 * len(stamps) + 64:
+        """The same live slots, stale ones dropped, when they have piled up (those behind the head
+        too: the vector keeps them until it is rebuilt)."""
+        if len(self.slots) <= 2 * len(stamps) + 64:
             return self
         return StampQueue(pvector((key, stamp) for _, key, stamp in self.live(stamps)), 0)
 

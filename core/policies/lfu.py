@@ -30,12 +30,14 @@ class LFU:
     def _enter(self, state: LfuState, key: int, count: int, old: int | None) -> LfuState:
         clock = state.clock + 1
         stamps = state.stamps.set(key, clock)
-        live = state.live
-        if old is not None:
-            live = live.set(old, live[old] - 1) if live[old] > 1 else live.delete(old)
+        live, buckets = state.live, state.buckets
+        if old is not None and live[old] > 1:
+            live = live.set(old, live[old] - 1)
+        elif old is not None:  # the last key of its count left: so does the bucket
+            live, buckets = live.delete(old), buckets.delete(old)
         live = live.set(count, live.get(count, 0) + 1)
-        bucket = state.buckets.get(count, StampQueue()).push(key, clock).compacted(stamps)
-        return LfuState(stamps, state.counts.set(key, count), state.buckets.set(count, bucket), live, clock)
+        bucket = buckets.get(count, StampQueue()).push(key, clock).compacted(stamps)
+        return LfuState(stamps, state.counts.set(key, count), buckets.set(count, bucket), live, clock)
 
     def inserted(self, state: LfuState, key: int, size: int, cost: float, tag: int) -> LfuState:
         return self._enter(state, key, 1, state.counts.get(key))

@@ -2,7 +2,10 @@
 
 A hit only sets the key's visited bit. To evict, the hand moves from the
 oldest slot toward the newest, clearing visited bits, and evicts the first
-unvisited key; it remembers where it stopped and wraps around to the oldest.
+unvisited key; it rests on the next key and wraps around to the oldest. A key
+that enters later is never under the hand: past the last key it rested before,
+the hand wraps (``hand_clock`` is the clock when it was placed, and only slots
+stamped no later count as ahead of it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ class SieveState:
     queue: StampQueue
     stamps: immutables.Map
     visited: immutables.Map  # key -> bool
-    hand: int
+    hand: int        # slot index the hand rests at (the first live slot from there)
+    hand_clock: int  # slots stamped after this entered behind the hand's back
     clock: int
 
 
@@ -29,28 +33,46 @@ class SIEVE:
     name = "sieve"
 
     def empty(self, capacity: int) -> SieveState:
-        return SieveState(StampQueue(), EMPTY_MAP, EMPTY_MAP, 0, 0)
+        return SieveState(StampQueue(), EMPTY_MAP, EMPTY_MAP, 0, 0, 0)
 
     def inserted(self, state: SieveState, key: int, size: int, cost: float, tag: int) -> SieveState:
+        state = self._leaving(state, key)
         clock = state.clock + 1
         stamps = state.stamps.set(key, clock)
         queue, hand = state.queue.push(key, clock), state.hand
-        if len(queue.slots) - queue.head > 2 * len(stamps) + 64:
+        if len(queue.slots) > 2 * len(stamps) + 64:
             live = list(queue.live(stamps))
             hand = sum(1 for index, _, _ in live if index < hand)
             queue = StampQueue(pvector((k, s) for _, k, s in live), 0)
-        return SieveState(queue, stamps, state.visited.set(key, False), hand, clock)
+        return SieveState(queue, stamps, state.visited.set(key, False), hand, state.hand_clock, clock)
+
+    def _under_hand(self, state: SieveState) -> int | None:
+        """The index of the slot the hand rests on, or None when it has passed the last one."""
+        slots, stamps = state.queue.slots, state.stamps
+        for i in range(max(state.hand, state.queue.head), len(slots)):
+            key, stamp = slots[i]
+            if stamps.get(key) == stamp:
+                return i if stamp <= state.hand_clock else None
+        return None
+
+    def _leaving(self, state: SieveState, key: int) -> SieveState:
+        """Before ``key``'s slot goes stale: if the hand rests on it, the hand moves on to the next key."""
+        at = self._under_hand(state) if key in state.stamps else None
+        if at is None or state.queue.slots[at][0] != key:
+            return state
+        return attrs.evolve(state, hand=at + 1, hand_clock=state.clock)
 
     def accessed(self, state: SieveState, key: int) -> SieveState:
         if key not in state.stamps or state.visited[key]:
             return state
-        return SieveState(state.queue, state.stamps, state.visited.set(key, True), state.hand, state.clock)
+        return attrs.evolve(state, visited=state.visited.set(key, True))
 
     def removed(self, state: SieveState, key: int) -> SieveState:
         if key not in state.stamps:
             return state
+        state = self._leaving(state, key)
         stamps = state.stamps.delete(key)
-        return SieveState(state.queue.advanced(stamps), stamps, state.visited.delete(key), state.hand, state.clock)
+        return attrs.evolve(state, queue=state.queue.advanced(stamps), stamps=stamps, visited=state.visited.delete(key))
 
     def evict(self, state: SieveState, evictable: Evictable) -> tuple[SieveState, int | None]:
         slots, head, stamps = state.queue.slots, state.queue.head, state.stamps
@@ -58,7 +80,8 @@ class SIEVE:
         span = len(slots) - head
         if not stamps or span <= 0:
             return state, None
-        i = state.hand if head <= state.hand < len(slots) else head
+        under = self._under_hand(state)
+        i = head if under is None else under
         for _ in range(2 * span + 1):  # one pass may only clear bits; the second finds a victim if any
             if i >= len(slots):
                 i = head
@@ -67,7 +90,8 @@ class SIEVE:
                 if visited[key]:
                     visited = visited.set(key, False)
                 else:
-                    cleared = SieveState(state.queue, stamps, visited, i + 1, state.clock)
-                    return self.removed(cleared, key), key
+                    cleared = attrs.evolve(state, visited=visited)
+                    gone = self.removed(cleared, key)
+                    return attrs.evolve(gone, hand=i + 1, hand_clock=state.clock), key
             i += 1
-        return SieveState(state.queue, stamps, visited, state.hand, state.clock), None
+        return attrs.evolve(state, visited=visited), None
