@@ -25,6 +25,10 @@ class InvalidNamespace(UsageError, ValueError):
     """A namespace that is not a non-empty string free of path separators."""
 
 
+class InvalidConfig(UsageError, ValueError):
+    """A service configuration that cannot work (negative sizes, unknown policy, a bad retention rule)."""
+
+
 class ContextLimitExceeded(UsageError):
     """Prompt plus max_tokens is past the model's context limit: the request can never run."""
 

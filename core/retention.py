@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kvstate.core.errors import InvalidConfig
 from kvstate.core.request import Request
 
 Retention = Callable[[str, tuple, Request], bool]
@@ -19,7 +20,7 @@ Retention = Callable[[str, tuple, Request], bool]
 def short_prefixes(max_tokens: int) -> Retention:
     """Protect prefixes of at most ``max_tokens`` tokens: system prompts and shared preambles."""
     if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        raise InvalidConfig(f"short_prefixes needs max_tokens as a positive int, got {max_tokens!r}")
 
     def protect(namespace: str, tokens: tuple, request: Request) -> bool:
         return len(tokens) <= max_tokens

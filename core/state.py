@@ -18,7 +18,7 @@ from typing import Any, Callable
 import attrs
 import immutables
 
-from kvstate.core.errors import InvalidNamespace, InvalidRequest, UsageError
+from kvstate.core.errors import InvalidConfig, InvalidNamespace, InvalidRequest
 from kvstate.core.policies import EvictionPolicy, policy
 from kvstate.core.policies.lru import LRU
 from kvstate.core.prefix_index import PrefixIndex
@@ -26,10 +26,6 @@ from kvstate.core.request import Request
 from kvstate.models.spec import ModelSpec
 
 GiB = 1 << 30
-
-
-class InvalidConfig(UsageError, ValueError):
-    """A service configuration that cannot work (negative sizes, unknown policy)."""
 
 
 class Residence(enum.Enum):

@@ -28,7 +28,7 @@ from kvstate import (
     ContextLimitExceeded, KvCacheService, LayerKind, LayerSpec, ModelSpec, OverBudget, POLICIES, Request,
     RequestKeepsNoState, SimObject,
 )
-from kvstate.core.state import IN_RAM, OBJECTS, Residence
+from kvstate.core.state import IN_RAM, OBJECTS, ON_DISK, Residence
 from kvstate.effects import DiskKey
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from tests.reference import NaiveFifoPrefixCache, attention_bytes, longest_usable, usable
@@ -205,6 +205,27 @@ class BaseMachine(RuleBasedStateMachine):
             else:
                 assert content.tokens == entry.tokens
 
+    @invariant()
+    def totals_are_the_sums_of_the_entries(self):
+        """Every running total the core keeps equals what its entries and indexes add up to."""
+        state = self.service.state
+        entries = state.entries.values()
+        assert state.ram_bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM)
+        spilling = [e for e in entries if e.residence is Residence.SPILLING]
+        # a write in flight has its disk bytes reserved from the start
+        assert state.disk_bytes == sum(e.nbytes for e in entries if e.residence in ON_DISK or e in spilling)
+        assert state.pending_writes == len(spilling) + sum(r.pending for r in state.checkpoints.values())
+        assert state.pending_write_bytes == (sum(e.nbytes for e in spilling)
+                                             + sum(r.pending_bytes for r in state.checkpoints.values()))
+        assert state.pending_writes == getattr(self.service.interpreter, "pending_writes", 0)
+        assert sorted((ns, t, i) for ns, t, i, _ in state.ram.items()) == sorted(
+            (e.namespace, e.tokens, e.id) for e in entries if e.residence in IN_RAM)
+        if state.config.has_disk:
+            assert sorted((ns, t, i) for ns, t, i, _ in state.disk.items()) == sorted(
+                (e.namespace, e.tokens, e.id) for e in entries if e.residence in ON_DISK)
+        for entry_id in state.reading:
+            assert state.entries[entry_id].residence in ON_DISK  # a read in flight pins a saved entry
+
     def teardown(self):
         if not hasattr(self, "service"):
             return
@@ -213,7 +234,8 @@ class BaseMachine(RuleBasedStateMachine):
         assert self.service.report().projected_bytes == 0
         first = self.service.close()
         assert self.service.close() == first
-        assert self.service.report().entries == 0
+        report = self.service.report()
+        assert (report.entries, report.projected_bytes, report.live_requests) == (0, 0, 0)
 
 
 class ExactServiceMachine(BaseMachine):

@@ -180,3 +180,37 @@ def test_a_policy_that_forgot_every_key_keeps_no_row_for_any(name, operations):
     rows = {field.name: len(getattr(state, field.name)) for field in attrs.fields(type(state))
             if isinstance(getattr(state, field.name), immutables.Map) and field.name != "ghost_tags"}
     assert rows == dict.fromkeys(rows, 0)
+
+
+def heap_nodes(heap, parent=None) -> int:
+    """Nodes of GDSF's leftist heap, checking on the way: each node's rank is one more than its right
+    child's, the left child's rank is never below the right's (so merges stay logarithmic), and no
+    child's item is below its parent's."""
+    if heap is None:
+        return 0
+    rank, item, left, right = heap
+    rank_of = (lambda h: h[0] if h is not None else 0)
+    assert rank == rank_of(right) + 1 and rank_of(left) >= rank_of(right)
+    assert parent is None or parent <= item
+    return 1 + heap_nodes(left, item) + heap_nodes(right, item)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations=ops)
+def test_gdsf_heap_stays_leftist_and_counts_its_items(operations):
+    strategy = policy("gdsf")
+    state = strategy.empty(CAPACITY)
+    held = set()
+    for op, key, size in operations:
+        if op == "put":
+            if len(held) >= 6:
+                state, victim = strategy.evict(state, lambda k: k % 2 == 0)
+                held.discard(victim)
+            state = strategy.inserted(state, key, size, float(size * (key % 3 + 1)), 0)
+            held.add(key)
+        elif op == "hit":
+            state = strategy.accessed(state, key)
+        elif op == "remove":
+            state = strategy.removed(state, key)
+            held.discard(key)
+        assert heap_nodes(state.heap) == state.items

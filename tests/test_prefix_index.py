@@ -3,8 +3,8 @@
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from kvstate.core.prefix_index import PrefixIndex
-from tests.reference import longest_usable
+from kvstate.core.prefix_index import Node, PrefixIndex
+from tests.reference import longest_usable, usable
 
 token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(tuple)
 operations = st.lists(st.tuples(st.booleans(), st.sampled_from(["a", "b"]), token_lists, st.booleans()),
@@ -26,14 +26,22 @@ def test_longest_usable_matches_a_naive_scan(ops, prompts):
             index = index.remove(namespace, tokens)
             del naive[key]
         assert len(index) == len(naive)
+        for root in index.roots.values():
+            assert_compact_and_counted(root, is_root=True)
     held = [(ns, t, trim) for (ns, t), (_, trim) in naive.items()]
     for namespace in ("a", "b"):
         for prompt in prompts:
             length, entry = index.longest(namespace, prompt)
             assert length == longest_usable(held, namespace, prompt)
             if length:
-                tokens = next(t for (ns, t), (e, _) in naive.items() if e == entry and ns == namespace)
-                assert tokens[:length] == prompt[:length]
+                tokens, trimmable = next((t, trim) for (ns, t), (e, trim) in naive.items()
+                                         if e == entry and ns == namespace)
+                assert usable(tokens, trimmable, prompt) >= length  # the entry named can serve it
+                exact_untrimmable = any(ns == namespace and not trim and t == prompt[:length] for ns, t, trim in held)
+                if exact_untrimmable:  # at equal reuse, state that needs no trim is preferred
+                    assert tokens == prompt[:length]
+            else:
+                assert entry is None
     assert sorted((ns, t, e, trim) for ns, t, e, trim in index.items()) == \
         sorted((ns, t, e, trim) for (ns, t), (e, trim) in naive.items())
     # Old versions never change (persistence).
@@ -41,6 +49,22 @@ def test_longest_usable_matches_a_naive_scan(ops, prompts):
         assert {(ns, t) for ns, t, _, _ in old.items()} == set(old_naive)
         for (ns, t), (e, _) in old_naive.items():
             assert old.exact(ns, t) == e
+
+
+def assert_compact_and_counted(node: Node, is_root: bool = False) -> tuple[int, int]:
+    """Every node's counts of entries and trimmable entries at or below it are exact, and no node
+    below the root is bare or a lone link (those are merged away). Returns the node's counts."""
+    count, trim = int(node.entry is not None), int(node.entry is not None and node.trimmable)
+    for first, child in node.children.items():
+        assert child.label and child.label[0] == first
+        below = assert_compact_and_counted(child)
+        count, trim = count + below[0], trim + below[1]
+    assert (node.count, node.trim_below) == (count, trim)
+    if not is_root:
+        assert node.entry is not None or len(node.children) >= 2
+    if node.entry is None:
+        assert not node.trimmable
+    return count, trim
 
 
 def test_exact_and_remove_of_missing_tokens():

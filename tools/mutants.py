@@ -32,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
-TESTS = ["tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py", "tests/test_lifecycle.py",
+TESTS = ["tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py",
+         "tests/test_lifecycle.py",
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
          "tests/test_model_check_checkpoints.py", "tests/test_model_check.py"]
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
