@@ -123,6 +123,14 @@ def copy_tree(into: Path) -> tuple[Path, dict]:
     return tree, env
 
 
+def tests_pass_unmutated(tree: Path, env: dict) -> None:
+    """A mutant counts as killed when the tests fail, so they must pass on the source as it is."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0",
+                           *TESTS], cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the tests fail without any mutation; fix them first:\n{done.stdout[-3000:]}")
+
+
 def run_one(site: dict, tree: Path, env: dict, timeout: float) -> tuple[bool, float, str]:
     """Kill or not: the tests against ``tree`` with this one mutation applied; restores the file after."""
     target = tree / site["file"]
@@ -179,6 +187,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         trees = [copy_tree(Path(scratch) / f"w{n}") for n in range(max(1, min(args.jobs, len(chosen))))]
+        tests_pass_unmutated(*trees[0])
         free = list(trees)
         outcomes: list[dict] = []
 
