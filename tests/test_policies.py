@@ -18,8 +18,9 @@ ops = st.lists(st.tuples(st.sampled_from(["put", "hit", "hit", "pin", "unpin", "
                          st.integers(1, 40)), max_size=150)
 
 
-def drive(strategy, operations, reference=None):
+def drive(strategy, operations, reference=None, capacity=CAPACITY):
     """A byte-bounded cache over ``strategy``; checks every victim, returns the eviction sequence."""
+    CAPACITY = capacity
     state = strategy.empty(CAPACITY)
     sizes: dict[int, int] = {}
     pinned: set[int] = set()
@@ -94,6 +95,14 @@ def test_agrees_exactly_with_reference(name, reference, operations):
     drive(policy(name), operations, reference())
 
 
+@settings(max_examples=300, deadline=None)
+@given(operations=ops, capacity=st.sampled_from([150, 300, 600]))
+def test_s3fifo_agrees_with_reference_when_the_small_queue_has_room(operations, capacity):
+    """At 100 bytes the small queue's tenth is nearly always over its share; larger caches reach both
+    sides of it, and of the ghost list's bound."""
+    drive(policy("s3fifo"), operations, NaiveS3FIFO(capacity), capacity)
+
+
 def test_policies_differ_where_they_should():
     """A scan-resistant order: LRU evicts the hot key after a scan, LFU keeps it."""
     operations = [("put", 1, 30), ("hit", 1, 0), ("hit", 1, 0), ("put", 2, 30), ("put", 3, 30), ("put", 4, 30)]
@@ -119,6 +128,10 @@ def test_old_policy_states_never_change():
         assert strategy.evict(old, lambda k: True)[1] == victim
 
 
+REFERENCES = {"lru": NaiveLRU, "fifo": NaiveFIFO, "lfu": NaiveLFU, "sieve": NaiveSIEVE, "gdsf": NaiveGDSF,
+              "s3fifo": lambda: NaiveS3FIFO(CAPACITY)}
+
+
 def footprint(state) -> int:
     """Slots, heap items and table rows a policy state holds, live or stale."""
     total = 0
@@ -137,15 +150,22 @@ def test_memory_stays_bounded_by_what_is_held_however_long_it_runs(name, seed):
     """Thousands of requests over at most 12 held keys: stale queue slots are compacted away,
     not kept for ever (a long-running service would leak them)."""
     rng, strategy = random.Random(seed), policy(name)
+    reference = REFERENCES[name]()
     state, held, largest = strategy.empty(CAPACITY), set(), 0
     for key in range(4000):
         if len(held) == 12:
-            state, victim = strategy.evict(state, lambda k: True)
+            pinned = key % 5  # a fifth of the keys, a different fifth each time, may not go
+            state, victim = strategy.evict(state, lambda k: k % 5 != pinned)
+            assert victim == reference.evict(lambda k: k % 5 != pinned)  # compactions change no decision
             held.discard(victim)
-        state = strategy.inserted(state, key, 8, 8.0, rng.randrange(20))
+        size, tag = rng.randrange(1, 16), rng.randrange(20)
+        state = strategy.inserted(state, key, size, float(size * (key % 3 + 1)), tag)
+        reference.insert(key, size, float(size * (key % 3 + 1)), tag)
         held.add(key)
         for _ in range(rng.randrange(3)):
-            state = strategy.accessed(state, rng.choice(sorted(held)))
+            hit = rng.choice(sorted(held))
+            state = strategy.accessed(state, hit)
+            reference.access(hit)
         largest = max(largest, footprint(state))
     # Tables of 12 rows and queues (LFU: one per use count held) compacted past 2 * 12 + 64 slots stay far
     # below the 4,000 slots a queue that is never compacted would hold by now.
