@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -189,6 +190,7 @@ def main() -> None:
         trees = [copy_tree(Path(scratch) / f"w{n}") for n in range(max(1, min(args.jobs, len(chosen))))]
         tests_pass_unmutated(*trees[0])
         free = list(trees)
+        lock = threading.Lock()
         outcomes: list[dict] = []
 
         def work(site: dict) -> dict:
@@ -199,7 +201,10 @@ def main() -> None:
                 free.append((tree, env))
             outcome = {**site, "killed": dead, "seconds": round(seconds, 1), "by": how}
             label = "killed  " if dead else ("explained" if site["name"] in explained else "SURVIVED")
-            outcomes.append(outcome)
+            with lock:
+                outcomes.append(outcome)
+                if args.json:  # after every mutant, so a run cut short keeps what it found
+                    args.json.write_text(json.dumps({"sites": len(everything), "mutants": outcomes}, indent=1))
             print(f"[{len(outcomes)}/{len(chosen)}] {label} {site['name']}  ({seconds:.0f} s)", flush=True)
             return outcome
 
@@ -210,8 +215,10 @@ def main() -> None:
     killed = sum(m["killed"] for m in outcomes)
     survivors = [m for m in outcomes if not m["killed"]]
     unexplained = [m for m in survivors if m["name"] not in explained]
+    equivalent = len(survivors) - len(unexplained)
     print(f"\nkilled {killed} of {len(outcomes)} mutants ({killed / max(1, len(outcomes)):.1%}); "
-          f"{len(survivors) - len(unexplained)} survivors explained as equivalent, {len(unexplained)} unexplained; "
+          f"{equivalent} survivors explained as equivalent, {len(unexplained)} unexplained; "
+          f"{killed / max(1, len(outcomes) - equivalent):.1%} of the mutants that can change a decision; "
           f"{len(everything)} sites in core/")
     for m in unexplained:
         print(f"  unexplained survivor: {m['name']}")
