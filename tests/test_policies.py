@@ -172,6 +172,19 @@ def test_memory_stays_bounded_by_what_is_held_however_long_it_runs(name, seed):
     assert largest < 1200
 
 
+def applied(strategy, state, op, key, size, held, tag):
+    """``state`` after one put, hit or remove (pins are ignored), with ``held`` kept up to date."""
+    if op == "put":
+        held.add(key)
+        return strategy.inserted(state, key, size, float(size * (key % 3 + 1)), tag)
+    if op == "hit":
+        return strategy.accessed(state, key)
+    if op == "remove":
+        held.discard(key)
+        return strategy.removed(state, key)
+    return state
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @settings(max_examples=100, deadline=None)
 @given(operations=ops)
@@ -180,17 +193,9 @@ def test_a_policy_that_forgot_every_key_keeps_no_row_for_any(name, operations):
     evicted content is the one memory meant to outlive its keys)."""
     strategy = policy(name)
     state = strategy.empty(CAPACITY)
-    state = strategy.empty(CAPACITY)
     keys = set()
     for op, key, size in operations:
-        if op == "put":
-            state = strategy.inserted(state, key, size, float(size), key % 7)
-            keys.add(key)
-        elif op == "hit":
-            state = strategy.accessed(state, key)
-        elif op == "remove":
-            state = strategy.removed(state, key)
-            keys.discard(key)
+        state = applied(strategy, state, op, key, size, keys, tag=key % 7)
     while True:
         state, victim = strategy.evict(state, lambda k: True)
         if victim is None:
@@ -222,15 +227,8 @@ def test_gdsf_heap_stays_leftist_and_counts_its_items(operations):
     state = strategy.empty(CAPACITY)
     held = set()
     for op, key, size in operations:
-        if op == "put":
-            if len(held) >= 6:
-                state, victim = strategy.evict(state, lambda k: k % 2 == 0)
-                held.discard(victim)
-            state = strategy.inserted(state, key, size, float(size * (key % 3 + 1)), 0)
-            held.add(key)
-        elif op == "hit":
-            state = strategy.accessed(state, key)
-        elif op == "remove":
-            state = strategy.removed(state, key)
-            held.discard(key)
+        if op == "put" and len(held) >= 6:
+            state, victim = strategy.evict(state, lambda k: k % 2 == 0)  # odd keys stay: popped, then pushed back
+            held.discard(victim)
+        state = applied(strategy, state, op, key, size, held, tag=0)
         assert heap_nodes(state.heap) == state.items
