@@ -6,7 +6,10 @@ import pytest
 
 from kvstate import (ContextLimitExceeded, InvalidConfig, InvalidRequest, KvCacheService, OverBudget, Request,
                      ServiceConfig, SimObject, model_spec, retention)
+from kvstate.core import events
+from kvstate.core.replies import GaveBack
 from kvstate.core.state import initial_state
+from kvstate.core.transitions import step
 
 SPEC = model_spec("llama-3.2-1b")
 SIZES = ("ram_capacity_bytes", "kv_budget_bytes", "disk_capacity_bytes", "write_queue_bytes")
@@ -160,9 +163,6 @@ def test_protected_entries_are_evicted_only_after_every_other():
 
 
 def test_a_boundary_with_nothing_to_give_back_gives_back_nothing():
-    from kvstate.core import events
-    from kvstate.core.replies import GaveBack
-    from kvstate.core.transitions import step
     state = initial_state(config())
     for pressure in (True, False):
         assert step(state, events.Boundary(pressure=pressure)).reply == GaveBack(0, 0)

@@ -213,7 +213,8 @@ class BaseMachine(RuleBasedStateMachine):
         assert state.ram_bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM)
         spilling = [e for e in entries if e.residence is Residence.SPILLING]
         # a write in flight has its disk bytes reserved from the start
-        assert state.disk_bytes == sum(e.nbytes for e in entries if e.residence in ON_DISK or e in spilling)
+        assert state.disk_bytes == sum(e.nbytes for e in entries
+                                       if e.residence in ON_DISK or e.residence is Residence.SPILLING)
         assert state.pending_writes == len(spilling) + sum(r.pending for r in state.checkpoints.values())
         assert state.pending_write_bytes == (sum(e.nbytes for e in spilling)
                                              + sum(r.pending_bytes for r in state.checkpoints.values()))

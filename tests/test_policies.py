@@ -14,20 +14,21 @@ from kvstate.core.policies.base import StampQueue
 from tests.reference import NaiveFIFO, NaiveGDSF, NaiveLFU, NaiveLRU, NaiveS3FIFO, NaiveSIEVE
 
 CAPACITY = 100
+REFERENCES = {"lru": NaiveLRU, "fifo": NaiveFIFO, "lfu": NaiveLFU, "sieve": NaiveSIEVE, "gdsf": NaiveGDSF,
+              "s3fifo": lambda: NaiveS3FIFO(CAPACITY)}
 ops = st.lists(st.tuples(st.sampled_from(["put", "hit", "hit", "pin", "unpin", "remove"]), st.integers(0, 25),
                          st.integers(1, 40)), max_size=150)
 
 
 def drive(strategy, operations, reference=None, capacity=CAPACITY):
     """A byte-bounded cache over ``strategy``; checks every victim, returns the eviction sequence."""
-    CAPACITY = capacity
-    state = strategy.empty(CAPACITY)
+    state = strategy.empty(capacity)
     sizes: dict[int, int] = {}
     pinned: set[int] = set()
     evicted = []
     for op, key, size in operations:
         if op == "put" and key not in sizes:
-            while sum(sizes.values()) + size > CAPACITY:
+            while sum(sizes.values()) + size > capacity:
                 state, victim = strategy.evict(state, lambda k: k not in pinned)
                 if reference is not None:
                     assert victim == reference.evict(lambda k: k not in pinned)
@@ -37,7 +38,7 @@ def drive(strategy, operations, reference=None, capacity=CAPACITY):
                 assert victim in sizes and victim not in pinned
                 del sizes[victim]
                 evicted.append(victim)
-            if sum(sizes.values()) + size <= CAPACITY:
+            if sum(sizes.values()) + size <= capacity:
                 sizes[key] = size
                 cost, tag = float(size * (key % 3 + 1)), key % 7
                 state = strategy.inserted(state, key, size, cost, tag)
@@ -56,7 +57,7 @@ def drive(strategy, operations, reference=None, capacity=CAPACITY):
             state = strategy.removed(state, key)
             if reference is not None:
                 reference.remove(key)
-        assert sum(sizes.values()) <= CAPACITY
+        assert sum(sizes.values()) <= capacity
     # Draining evicts every unpinned key exactly once, then names none.
     pinned_left = {k for k in sizes if k in pinned}
     while True:
@@ -78,9 +79,7 @@ def test_capacity_kept_and_pinned_never_evicted(name, operations):
     drive(policy(name), operations)
 
 
-@pytest.mark.parametrize("name, reference", [("lru", NaiveLRU), ("fifo", NaiveFIFO), ("lfu", NaiveLFU),
-                                             ("sieve", NaiveSIEVE), ("gdsf", NaiveGDSF),
-                                             ("s3fifo", lambda: NaiveS3FIFO(CAPACITY))])
+@pytest.mark.parametrize("name, reference", sorted(REFERENCES.items()))
 @settings(max_examples=300, deadline=None)
 @given(operations=ops)
 # GDSF: a hit adds one use, not two (after the first eviction key 0 ties key 6 and goes, being older);
@@ -126,10 +125,6 @@ def test_old_policy_states_never_change():
         state = strategy.accessed(state, key // 2)
     for old, victim in states:
         assert strategy.evict(old, lambda k: True)[1] == victim
-
-
-REFERENCES = {"lru": NaiveLRU, "fifo": NaiveFIFO, "lfu": NaiveLFU, "sieve": NaiveSIEVE, "gdsf": NaiveGDSF,
-              "s3fifo": lambda: NaiveS3FIFO(CAPACITY)}
 
 
 def footprint(state) -> int:

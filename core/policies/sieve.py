@@ -70,7 +70,9 @@ class SIEVE:
     def removed(self, state: SieveState, key: int) -> SieveState:
         if key not in state.stamps:
             return state
-        state = self._leaving(state, key)
+        return self._forget(self._leaving(state, key), key)
+
+    def _forget(self, state: SieveState, key: int) -> SieveState:
         stamps = state.stamps.delete(key)
         return attrs.evolve(state, queue=state.queue.advanced(stamps), stamps=stamps, visited=state.visited.delete(key))
 
@@ -90,8 +92,7 @@ class SIEVE:
                 if visited[key]:
                     visited = visited.set(key, False)
                 else:
-                    cleared = attrs.evolve(state, visited=visited)
-                    gone = self.removed(cleared, key)
-                    return attrs.evolve(gone, hand=i + 1, hand_clock=state.clock), key
+                    gone = self._forget(attrs.evolve(state, visited=visited), key)
+                    return attrs.evolve(gone, hand=i + 1, hand_clock=state.clock), key  # the hand rests past it
             i += 1
         return attrs.evolve(state, visited=visited), None
