@@ -65,7 +65,8 @@ class SIEVE:
     def accessed(self, state: SieveState, key: int) -> SieveState:
         if key not in state.stamps or state.visited[key]:
             return state
-        return attrs.evolve(state, visited=state.visited.set(key, True))
+        return SieveState(state.queue, state.stamps, state.visited.set(key, True), state.hand, state.hand_clock,
+                          state.clock)
 
     def removed(self, state: SieveState, key: int) -> SieveState:
         if key not in state.stamps:
@@ -74,7 +75,8 @@ class SIEVE:
 
     def _forget(self, state: SieveState, key: int) -> SieveState:
         stamps = state.stamps.delete(key)
-        return attrs.evolve(state, queue=state.queue.advanced(stamps), stamps=stamps, visited=state.visited.delete(key))
+        return SieveState(state.queue.advanced(stamps), stamps, state.visited.delete(key), state.hand,
+                          state.hand_clock, state.clock)
 
     def evict(self, state: SieveState, evictable: Evictable) -> tuple[SieveState, int | None]:
         slots, head, stamps = state.queue.slots, state.queue.head, state.stamps
