@@ -580,10 +580,10 @@ def _checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
     if lease is None or lease.request.continuation is None:
         raise CheckpointNotAllowed("checkpoint() needs an acquired request with a continuation (a replayable "
                                    "generation)")
-    if not state.config.checkpoints or lease.checkpoint_key is None:
+    if not state.config.checkpoints:
         raise CheckpointNotAllowed("this service keeps no generation checkpoints: build it with a disk tier "
                                    "and checkpoint_every_tokens")
-    if not lease.acquired:
+    if not lease.acquired:  # an admitted lease has no checkpoint key before acquire() sets one
         raise CheckpointNotAllowed("checkpoint() before acquire(): acquire the request's state first")
     prompt = lease.request.prompt
     if e.generated_tokens < 0 or len(e.tokens) != len(prompt) + e.generated_tokens or e.covered != len(e.tokens) \

@@ -7,8 +7,9 @@ from kvstate.core.prefix_index import Node, PrefixIndex
 from tests.reference import longest_usable, usable
 
 token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(tuple)
-operations = st.lists(st.tuples(st.booleans(), st.sampled_from(["a", "b"]), token_lists, st.booleans()),
-                      max_size=40)
+operation = st.tuples(st.booleans(), st.sampled_from(["a", "b"]), token_lists, st.booleans())
+#: Short runs, and long ones that grow and prune deep trees (short lists are hypothesis' favourite).
+operations = st.one_of(st.lists(operation, max_size=10), st.lists(operation, min_size=20, max_size=60))
 
 
 @settings(max_examples=300, deadline=None)
@@ -96,3 +97,9 @@ def test_removing_a_trimmable_entry_above_exact_only_ones_leaves_no_trimmable_cl
     index = index.remove("n", (1, 2))
     assert index.longest("n", (1, 2, 5)) == (0, None)
     assert index.longest("n", (1, 2, 3, 9)) == (3, 2)
+
+
+def test_a_trimmed_reuse_names_the_trimmable_entry_below_an_exact_only_one():
+    """The prompt ends inside an exact-only entry's tokens: only the longer trimmable entry can serve it."""
+    index = PrefixIndex().insert("a", (1, 2, 3), 1, False).insert("a", (1, 2, 3, 4, 5), 2, True)
+    assert index.longest("a", (1, 2, 3)) == (2, 2)

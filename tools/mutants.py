@@ -13,6 +13,7 @@ the tool reports them apart and names any survivor that has no explanation.
     python tools/mutants.py --rerun mutants.json      # only the survivors of an earlier run
     python tools/mutants.py --only core/state.py:224  # the mutants of one line (or one site)
     python tools/mutants.py --all --shard 1/2         # every other site, to split a run across machines
+    python tools/mutants.py --rerun mutants.json --tests tests/test_transitions.py  # triage on one file
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
-TESTS = ["tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py",
+TESTS = ["tests/test_transitions.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py",
          "tests/test_lifecycle.py",
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
          "tests/test_model_check_checkpoints.py", "tests/test_model_check.py"]
@@ -170,7 +171,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=300, help="seconds a mutant may run; a hang kills it")
     parser.add_argument("--json", type=Path, help="write every mutant's outcome here")
+    parser.add_argument("--tests", nargs="+", help="run these tests instead of the core's (a quick triage: "
+                                                    "a survivor of a subset may still die to the rest)")
     args = parser.parse_args()
+    if args.tests:
+        TESTS[:] = args.tests
 
     everything = [site for f in sorted((ROOT / "core").rglob("*.py")) for site in sites(f)]
     if args.all:
