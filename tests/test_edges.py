@@ -36,6 +36,15 @@ def test_only_the_optional_sizes_may_be_none(name, optional):
             config(**{name: None})
 
 
+@pytest.mark.parametrize("seconds, accepted", [(0.001, True), (0.5, True), (1, True), (0, False), (-1, False)])
+def test_demotion_takes_any_positive_idle_time(seconds, accepted):
+    if accepted:
+        assert config(demote_idle_after=seconds).demote_idle_after == seconds
+    else:
+        with pytest.raises(InvalidConfig, match="demote_idle_after"):
+            config(demote_idle_after=seconds)
+
+
 def test_checkpoints_every_token_is_allowed_and_need_a_disk_tier():
     assert config(disk_capacity_bytes=10, checkpoint_every_tokens=1).checkpoints
     assert not config(checkpoint_every_tokens=1).checkpoints  # no disk, no checkpoints

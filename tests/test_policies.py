@@ -94,6 +94,10 @@ def test_capacity_kept_and_pinned_never_evicted(name, operations):
 @example(operations=[("put", 0, 5), ("hit", 0, 0), ("hit", 0, 0), ("put", 1, 5), ("hit", 1, 0), ("hit", 1, 0),
                      ("put", 2, 85), ("put", 3, 10)] + [("hit", 0, 0)] * 4 + [("hit", 1, 0)] * 3
                     + [("pin", 3, 0), ("put", 4, 85)])
+# SIEVE: removing the key under the hand moves the hand to the next key, here one inserted after the hand
+# last moved (key 1 is evicted, the hand rests on 2, 3 comes in, 2 is removed: 3 goes next, not 0).
+@example(operations=[("put", 0, 40), ("put", 1, 40), ("put", 2, 20), ("hit", 0, 0), ("put", 3, 40),
+                     ("remove", 2, 0), ("put", 4, 40)])
 def test_agrees_exactly_with_reference(name, reference, operations):
     drive(policy(name), operations, reference())
 

@@ -555,6 +555,7 @@ def test_a_checkpoint_of_nothing_generated_yet_is_written_and_resumed():
     lease, _, _ = core.acquire((1, 2), continuation=continuation)
     assert core(ev.Checkpoint(lease, 9, (1, 2), 2, 0, None, 5)) is True
     meta = core.of(fx.WriteCheckpoint)[0].meta
+    assert meta == fx.CheckpointMeta("n\x1f\x1fk", "n", 2, 0, None, 1, seed_was_explicit=False)
     core(done.CheckpointWritten(meta.key, 2))
     core(ev.Release(lease, completed=False))
     lease, handle, reply = core.acquire((1, 2), continuation=continuation)
