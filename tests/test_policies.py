@@ -235,3 +235,20 @@ def test_gdsf_heap_stays_leftist_and_counts_its_items(operations):
             held.discard(victim)
         state = applied(strategy, state, op, key, size, held, tag=0)
         assert heap_nodes(state.heap) == state.items
+
+
+def test_gdsf_counts_its_heap_items_exactly_through_rebuilds():
+    """Every hit pushes a new heap item; past 2 * keys + 64 items the heap is rebuilt from the live ones."""
+    strategy = policy("gdsf")
+    state = strategy.empty(CAPACITY)
+    for key in range(5):
+        state = strategy.inserted(state, key, 10, float(key + 1), 0)
+    rebuilt = 0
+    for hit in range(300):
+        before = state.items
+        state = strategy.accessed(state, hit % 5)
+        rebuilt += state.items < before
+        assert heap_nodes(state.heap) == state.items
+    assert rebuilt >= 3
+    state, victim = strategy.evict(state, lambda k: True)
+    assert victim is not None and heap_nodes(state.heap) == state.items
