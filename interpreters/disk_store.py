@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from array import array
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import attrs
 import mlx.core as mx
@@ -112,6 +112,20 @@ def write_durably(path: Path, chunks: list) -> None:
         os.fsync(out.fileno())
 
 
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process that names itself in a temp file (``.NAME.tmp-PID-THREAD``) is still running."""
+    try:
+        pid = int(temp_name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
 def _name(kind: str, *parts: bytes) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for part in parts:
@@ -121,40 +135,51 @@ def _name(kind: str, *parts: bytes) -> str:
 
 
 def read_header(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """``(metadata, tensors)`` of a safetensors file, checked against its size; :class:`RejectedFile` if bad.
-
-    No allocation is sized from an unchecked field: the header length is
-    bounded by the file size and ``MAX_HEADER_BYTES`` before it is read.
-    """
+    """``(metadata, tensors)`` of a safetensors file, checked against its size; :class:`RejectedFile` if bad."""
     try:
-        size = path.stat().st_size
         with open(path, "rb") as file:
-            head = file.read(8)
-            if len(head) < 8:
-                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: shorter than a safetensors header")
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: header length {length} past the file")
-            header = json.loads(file.read(length))
+            return header_of(file, path.name)
     except FileNotFoundError:
         raise RejectedFile(FailureReason.MISSING, f"{path.name}: not there") from None
+
+
+def header_of(file: BinaryIO, name: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(metadata, tensors)`` of the open safetensors ``file`` (``name`` for messages), from its start.
+
+    Size and header come from the one open file, so a file replaced under its
+    name meanwhile is never read half old, half new. No allocation is sized
+    from an unchecked field: the header length is bounded by the file size and
+    ``MAX_HEADER_BYTES`` before it is read.
+    """
+    try:
+        size = os.fstat(file.fileno()).st_size
+        file.seek(0)
+        head = file.read(8)
+        if len(head) < 8:
+            raise RejectedFile(FailureReason.CORRUPT, f"{name}: shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise RejectedFile(FailureReason.CORRUPT, f"{name}: header length {length} past the file")
+        header = json.loads(file.read(length))
     except (ValueError, UnicodeDecodeError) as error:
-        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: header is not JSON ({error})") from None
+        raise RejectedFile(FailureReason.CORRUPT, f"{name}: header is not JSON ({error})") from None
+    except OSError as error:
+        raise RejectedFile(FailureReason.IO_ERROR, f"{name}: {error}") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: no metadata")
+        raise RejectedFile(FailureReason.CORRUPT, f"{name}: no metadata")
     metadata = header.pop("__metadata__")
     end = 0
-    for name, info in header.items():
+    for tensor, info in header.items():
         try:
             start, stop = info["data_offsets"]
             count = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
             if not (0 <= start <= stop) or stop - start != count * _DTYPE_BYTES[info["dtype"]]:
                 raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} is described wrongly") from None
+            raise RejectedFile(FailureReason.CORRUPT, f"{name}: tensor {tensor!r} is described wrongly") from None
         end = max(end, stop)
     if 8 + length + end != size:
-        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: {size} bytes, header describes {8 + length + end}")
+        raise RejectedFile(FailureReason.CORRUPT, f"{name}: {size} bytes, header describes {8 + length + end}")
     return metadata, header
 
 
@@ -287,8 +312,34 @@ class DiskStore:
 
     # ------------------------------------------------------------ reads
 
-    def _describe(self, path: Path) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
-        metadata, tensors = read_header(path)
+    @staticmethod
+    def _open(path: Path) -> BinaryIO:
+        try:
+            return open(path, "rb")
+        except FileNotFoundError:
+            raise RejectedFile(FailureReason.MISSING, f"{path.name}: not there") from None
+        except OSError as error:
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+
+    @staticmethod
+    def _still_named(path: Path, file: BinaryIO) -> bool:
+        """Whether ``path`` still names the open ``file`` (not replaced or deleted since it was opened)."""
+        try:
+            now = os.stat(path)
+        except OSError:
+            return False
+        opened = os.fstat(file.fileno())
+        return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+
+    def _reject(self, path: Path, file: BinaryIO, rejected: RejectedFile) -> bool:
+        """Move a rejected file aside, unless its name now holds another file (that one is not judged); moved?"""
+        if rejected.reason is FailureReason.MISSING or not self._still_named(path, file):
+            return False
+        self.move_aside(path, rejected.reason)
+        return True
+
+    def _describe(self, path: Path, file: BinaryIO) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
+        metadata, tensors = header_of(file, path.name)
         recorded = metadata.get("kvstate.header_hash")
         rest = {k: v for k, v in metadata.items() if k != "kvstate.header_hash"}
         if recorded is None or recorded != _header_digest(rest, tensors):
@@ -317,43 +368,51 @@ class DiskStore:
         return described, metadata, tensors
 
     def _load(self, path: Path) -> tuple[SavedFile, list]:
-        """Read the file once; verify each tensor's bytes on the host; then build the arrays from them."""
-        try:
-            described, metadata, tensors = self._describe(path)
+        """Read the file once; verify each tensor's bytes on the host; then build the arrays from them.
+
+        Header and data come from one open file: a file replaced under its name
+        meanwhile gives the content of the one that was opened, never a mix.
+        """
+        with self._open(path) as file:
             try:
-                data = np.fromfile(path, dtype=np.uint8)
-            except OSError as error:
-                raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
-            (length,) = struct.unpack("<Q", data[:8].tobytes())
-            start = 8 + length
-            slices = {name: data[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
-                      for name, info in tensors.items()}
-            if self.verify:
-                hashes = json.loads(metadata["kvstate.hashes"])
-                for name, digest in zip(slices, _hash_all(list(slices.values()))):
-                    if digest != hashes.get(name):
-                        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} fails its hash")
-            arrays = {}
-            for name, raw in slices.items():
-                info = tensors[name]
-                dtype = _MX_DTYPE.get(info["dtype"])
-                if dtype is None:
-                    raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} has dtype "
-                                                              f"{info['dtype']}")
-                arrays[name] = mx.view(mx.array(raw), dtype).reshape(info["shape"])
-            caches = []
-            for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
-                prefix = f"{i}."
-                own = {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}
-                try:
-                    caches.append(codec_named(layer["class"]).load(own, layer))
-                except (KeyError, TypeError, ValueError):
-                    raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: layer {i} cannot be rebuilt") from None
-            return described, caches
-        except RejectedFile as rejected:
-            if rejected.reason is not FailureReason.MISSING:
-                self.move_aside(path, rejected.reason)
-            raise
+                return self._load_open(path, file)
+            except RejectedFile as rejected:
+                self._reject(path, file, rejected)
+                raise
+
+    def _load_open(self, path: Path, file: BinaryIO) -> tuple[SavedFile, list]:
+        described, metadata, tensors = self._describe(path, file)
+        try:
+            file.seek(0)
+            data = np.fromfile(file, dtype=np.uint8)
+        except OSError as error:
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+        (length,) = struct.unpack("<Q", data[:8].tobytes())
+        start = 8 + length
+        slices = {name: data[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
+                  for name, info in tensors.items()}
+        if self.verify:
+            hashes = json.loads(metadata["kvstate.hashes"])
+            for name, digest in zip(slices, _hash_all(list(slices.values()))):
+                if digest != hashes.get(name):
+                    raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} fails its hash")
+        arrays = {}
+        for name, raw in slices.items():
+            info = tensors[name]
+            dtype = _MX_DTYPE.get(info["dtype"])
+            if dtype is None:
+                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} has dtype "
+                                                          f"{info['dtype']}")
+            arrays[name] = mx.view(mx.array(raw), dtype).reshape(info["shape"])
+        caches = []
+        for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
+            prefix = f"{i}."
+            own = {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}
+            try:
+                caches.append(codec_named(layer["class"]).load(own, layer))
+            except (KeyError, TypeError, ValueError):
+                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: layer {i} cannot be rebuilt") from None
+        return described, caches
 
     def read_prefix(self, key: DiskKey) -> list:
         """The caches saved under ``key``; :class:`RejectedFile` (moved aside) if they cannot be trusted."""
@@ -387,21 +446,42 @@ class DiskStore:
     # ------------------------------------------------------------ scan
 
     def scan(self) -> tuple[list[SavedRecord], list[tuple[CheckpointMeta, int]], int]:
-        """Prefix records and checkpoints from headers alone; bad files moved aside and counted."""
+        """Prefix records and checkpoints from headers alone; bad files moved aside and counted.
+
+        A file deleted since the listing is skipped; a file replaced since is
+        read as it now is (once more; a name replaced again is left to the next
+        scan). Temp files of interrupted writes are removed, unless the process
+        named in them is still running (its write may be in flight).
+        """
         records, checkpoints, rejected = [], [], 0
         for path in sorted(self.directory.iterdir()):
             if not path.is_file():
                 continue
             if path.name.startswith(".") and ".tmp-" in path.name:
-                path.unlink(missing_ok=True)  # an interrupted write: never claimed
+                if not _writer_alive(path.name):
+                    path.unlink(missing_ok=True)  # an interrupted write: never claimed
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
-            try:
-                described, _, _ = self._describe(path)
-            except RejectedFile as error:
-                self.move_aside(path, error.reason)
-                rejected += 1
+            described = None
+            for _ in range(2):
+                try:
+                    file = self._open(path)
+                except RejectedFile:
+                    break  # deleted since the listing: nothing to claim
+                with file:
+                    try:
+                        found, error = self._describe(path, file)[0], None
+                    except RejectedFile as rejection:
+                        found, error = None, rejection
+                    if not self._still_named(path, file):
+                        continue  # replaced or deleted while read: judge what is there now
+                    if error is not None:
+                        self.move_aside(path, error.reason)
+                        rejected += 1
+                    described = found
+                break
+            if described is None:
                 continue
             if described.kind == "checkpoint" and described.checkpoint is not None:
                 checkpoints.append((described.checkpoint, len(described.tokens)))

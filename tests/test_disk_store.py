@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -129,11 +132,16 @@ def test_a_header_larger_than_the_file_is_refused_before_reading_it(tmp_path):
 
 def test_scan_removes_stale_temp_files_and_counts_bad_ones(tmp_path):
     store, key, path = saved(tmp_path)
-    (store.directory / f".{path.stem}.tmp-999-1.safetensors").write_bytes(b"half a write")
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    dead = store.directory / f".{path.stem}.tmp-{int(finished.stdout)}-1.safetensors"
+    dead.write_bytes(b"half a write")  # its writer has exited
+    live = store.directory / f".{path.stem}.tmp-{os.getpid()}-1.safetensors"
+    live.write_bytes(b"a write in flight")  # its writer runs: the file is left alone
     (store.directory / "prefix-deadbeef.safetensors").write_bytes(b"\x00" * 3)
     records, _, rejected = store.scan()
     assert len(records) == 1 and rejected == 1
-    assert sorted(p.name for p in store.directory.iterdir() if p.is_file()) == [path.name]
+    assert sorted(p.name for p in store.directory.iterdir() if p.is_file()) == sorted([path.name, live.name])
 
 
 def test_the_header_describes_live_tokens_only(tmp_path):

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from kvstate import (
     KvCacheService, KvStateError, Request, SimObject, SimulatedCrash, Source, model_spec,
 )
-from kvstate.effects import DiskKey
+from kvstate.effects import DiskKey, FailureReason
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
@@ -241,3 +241,104 @@ def test_garbage_at_every_port_call_is_a_named_error_and_changes_nothing(call):
             else:
                 raise AssertionError(f"{call}{args!r} was accepted")
             assert service.state == before, f"{call}{args!r} changed the state"
+
+
+def replaced_while_read(monkeypatch, path, replace):
+    """Run ``replace()`` the first time the store reads ``path``'s header, after the file is open."""
+    from kvstate.interpreters import disk_store
+    original, done = disk_store.header_of, []
+
+    def header_of(file, name):
+        if name == path.name and not done:
+            done.append(True)
+            replace()
+        return original(file, name)
+    monkeypatch.setattr(disk_store, "header_of", header_of)
+    return done
+
+
+def another_version(tmp_path, key, seed):
+    """A valid file for ``key`` with other content, written elsewhere: its path."""
+    store = DiskStore(tmp_path / f"elsewhere-{seed}", IDENTITY)
+    cache = KVCache()
+    keys = mx.random.normal((1, 1, len(key.tokens), 4), key=mx.random.key(seed))
+    cache.update_and_fetch(keys, keys * 2)
+    store.commit(store.encode_prefix(key, [cache], True, mlx_caches.live_bytes([cache])))
+    return store.prefix_path(key)
+
+
+def test_a_file_replaced_mid_scan_is_judged_as_it_now_is(tmp_path, monkeypatch):
+    store, key, path = small_file(tmp_path)
+    valid = path.read_bytes()
+    path.write_bytes(b"garbage that a newer writer is about to replace")
+    newer = another_version(tmp_path, key, 1)
+    replaced = replaced_while_read(monkeypatch, path, lambda: os.replace(newer, path))
+    records, _, rejected = store.scan()
+    assert replaced and [(r.namespace, r.tokens) for r in records] == [(key.namespace, key.tokens)] and rejected == 0
+    assert path.exists() and not store.rejected_directory.exists()  # the valid newer file was not moved
+
+    monkeypatch.undo()
+    path.write_bytes(valid)
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"\x00" * 5)
+    replaced_while_read(monkeypatch, path, lambda: os.replace(garbage, path))
+    records, _, rejected = store.scan()
+    assert records == [] and rejected == 1  # the garbage now there is what is judged
+    assert [reason for _, reason in store.rejected] == [FailureReason.CORRUPT]
+
+
+def test_a_file_deleted_mid_scan_is_neither_claimed_nor_counted(tmp_path, monkeypatch):
+    store, key, path = small_file(tmp_path)
+    deleted = replaced_while_read(monkeypatch, path, path.unlink)
+    assert store.scan() == ([], [], 0) and deleted
+    assert not store.rejected_directory.exists()
+
+
+def test_a_file_replaced_while_restored_gives_the_opened_files_content(tmp_path, monkeypatch):
+    store, key, path = small_file(tmp_path)
+    first = loaded_values(store.read_prefix(key))
+    newer = another_version(tmp_path, key, 2)
+    expected_next = loaded_values(DiskStore(newer.parent.parent, IDENTITY).read_prefix(key))
+    assert expected_next != first
+    replaced = replaced_while_read(monkeypatch, path, lambda: os.replace(newer, path))
+    assert loaded_values(store.read_prefix(key)) == first and replaced  # all of the opened file, none of the new one
+    assert path.exists() and store.rejected == []
+    assert loaded_values(store.read_prefix(key)) == expected_next
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 256 KiB tmpfs, where this machine allows mounting one (root); skipped, saying why, elsewhere."""
+    import subprocess
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_real_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(small_tmpfs):
+    model, config = build("llama", seed=61)
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, disk_dir=str(small_tmpfs),
+                                     disk_bytes=64 << 20)  # the budget believes in room the device lacks
+    prompts = [tuple(range(n * 100 + 1, n * 100 + 61)) for n in range(12)]
+    for prompt in prompts:
+        request = Request(prompt, 2)
+        state = service.acquire(request, "n")
+        model(mx.array([list(prompt[state.reused_tokens:])]), cache=state.caches)
+        service.publish(request, "n", prompt, state.caches)
+        service.release(request)
+    result = service.flush()
+    report = service.report()
+    assert not result.durable and report.failed_writes >= 1 and report.spills >= 1
+    assert report.entries == len(prompts)  # every RAM copy stayed and serves
+    assert service.acquire(Request(prompts[-1] + (1,), 2), "n").reused_tokens == 60
+    files = [p for p in small_tmpfs.rglob("*") if p.is_file() and p.name.endswith(".safetensors")]
+    assert files and not [p for p in files if ".tmp-" in p.name]  # no half-written file left behind
+    scanned = DiskStore(small_tmpfs, service.interpreter.store.identity).scan()
+    assert len(scanned[0]) == report.spills and scanned[2] == 0  # each file written whole is valid
