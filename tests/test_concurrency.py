@@ -1,4 +1,4 @@
-"""Shared use, with real parts: threads on one MLX service, processes on one saved-state root.
+"""Shared use: threads on one service (simulated and MLX), processes on one saved-state root.
 
 The threads check content: every reuse, from RAM or disk, continues exactly as recomputing the whole
 prompt would. The processes check the root budget's locks across process boundaries: a live
@@ -19,13 +19,31 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from kvstate import KvCacheService, Request
+from kvstate import KvCacheService, Request, model_spec
 from kvstate.effects import DiskKey
 from kvstate.interpreters.disk_budget import RootBudget, directory_bytes
 from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
 from kvstate.models.reference import build
 
 TOLERANCE = 1e-4
+SPEC = model_spec("llama-3.2-1b")
+
+
+def in_threads(work, seeds) -> list[BaseException]:
+    """Run ``work(seed)`` on one thread per seed, all at once; what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(seed):
+        try:
+            work(seed)
+        except BaseException as error:  # noqa: BLE001 - returned to the test
+            errors.append(error)
+    threads = [threading.Thread(target=guarded, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
 
 
 def last_logits(model, tokens, caches):
@@ -40,41 +58,60 @@ def test_threads_on_the_mlx_interpreter_reuse_only_what_was_published(tmp_path):
     service = KvCacheService.for_mlx(model, config=config, ram_bytes=200 << 10, disk_dir=str(tmp_path),
                                      disk_bytes=64 << 20)
     bases = [tuple(range(b * 40 + 1, b * 40 + 33)) for b in range(4)]
-    errors: list = []
     reused: list[int] = []
 
     def worker(seed):
         rng = random.Random(seed)
-        try:
-            for _ in range(12):
-                prompt = rng.choice(bases) + tuple(rng.randrange(1, 200) for _ in range(rng.randint(1, 6)))
-                request = Request(prompt, 2)
-                state = service.acquire(request, "n")
-                logits = last_logits(model, prompt[state.reused_tokens:], state.caches)
-                expected = last_logits(model, prompt, make_prompt_cache(model))
-                assert float(mx.abs(logits - expected).max()) <= TOLERANCE, (seed, state.source)
-                service.publish(request, "n", prompt, state.caches)
-                service.release(request)
-                reused.append(state.reused_tokens)
-                if rng.random() < 0.3:
-                    service.boundary()
-                if rng.random() < 0.1:
-                    service.flush()
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
+        for _ in range(12):
+            prompt = rng.choice(bases) + tuple(rng.randrange(1, 200) for _ in range(rng.randint(1, 6)))
+            request = Request(prompt, 2)
+            state = service.acquire(request, "n")
+            logits = last_logits(model, prompt[state.reused_tokens:], state.caches)
+            expected = last_logits(model, prompt, make_prompt_cache(model))
+            assert float(mx.abs(logits - expected).max()) <= TOLERANCE, (seed, state.source)
+            service.publish(request, "n", prompt, state.caches)
+            service.release(request)
+            reused.append(state.reused_tokens)
+            if rng.random() < 0.3:
+                service.boundary()
+            if rng.random() < 0.1:
+                service.flush()
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert in_threads(worker, range(4)) == []
     report = service.report()
     assert report.live_requests == 0 and report.projected_bytes == 0
     assert report.bytes <= report.capacity_bytes
     assert sum(1 for n in reused if n > 0) >= 12 and report.evictions + report.demotions > 0
     assert service.flush().durable
     service.close()
+
+
+def test_threads_hammering_the_facade_keep_its_invariants():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(300), kv_budget_bytes=SPEC.bytes_for(400),
+                                       disk_bytes=SPEC.bytes_for(3000))
+
+    def worker(seed):
+        rng = random.Random(seed)
+        for _ in range(150):
+            prompt = tuple(range(rng.randrange(4) * 50, rng.randrange(4) * 50 + 30)) + (rng.randrange(5),)
+            request = Request(prompt, 8, session_id=f"s{seed % 3}")
+            if not service.admit(request):
+                continue
+            state = service.acquire(request, "n")
+            assert state.caches.tokens == prompt[:state.reused_tokens]
+            service.publish(request, "n", prompt, service.interpreter.prefill(state.caches,
+                                                                              prompt[state.reused_tokens:]))
+            service.release(request)
+            if rng.random() < 0.1:
+                service.boundary()
+            if rng.random() < 0.05:
+                service.flush()
+
+    assert in_threads(worker, range(6)) == []
+    report = service.report()
+    assert report.projected_bytes == 0 and report.live_requests == 0
+    assert report.bytes <= report.capacity_bytes
+    assert service.flush().durable
 
 
 # A second process: a store under the shared root, live until told to close (or killed).

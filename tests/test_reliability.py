@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import threading
 
 import hypothesis.strategies as st
 import mlx.core as mx
@@ -164,43 +163,6 @@ def test_a_crash_between_every_pair_of_effects_keeps_invariant_5(seed):
             assert state.source is Source.DISK and state.caches.tokens == tokens
             restarted.release(request)
     assert explored == total and total > 50
-
-
-def test_threads_hammering_the_facade_keep_its_invariants():
-    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(300), kv_budget_bytes=SPEC.bytes_for(400),
-                                       disk_bytes=SPEC.bytes_for(3000))
-    errors: list = []
-
-    def worker(seed):
-        rng = random.Random(seed)
-        try:
-            for _ in range(150):
-                prompt = tuple(range(rng.randrange(4) * 50, rng.randrange(4) * 50 + 30)) + (rng.randrange(5),)
-                request = Request(prompt, 8, session_id=f"s{seed % 3}")
-                if not service.admit(request):
-                    continue
-                state = service.acquire(request, "n")
-                assert state.caches.tokens == prompt[:state.reused_tokens]
-                service.publish(request, "n", prompt, service.interpreter.prefill(state.caches,
-                                                                                  prompt[state.reused_tokens:]))
-                service.release(request)
-                if rng.random() < 0.1:
-                    service.boundary()
-                if rng.random() < 0.05:
-                    service.flush()
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
-    report = service.report()
-    assert report.projected_bytes == 0 and report.live_requests == 0
-    assert report.bytes <= report.capacity_bytes
-    assert service.flush().durable
 
 
 GARBAGE = [None, -1, 10**30, "text", b"bytes", 2.5, [], [1.5], [-3], {"a": 1}, object()]

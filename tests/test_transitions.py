@@ -530,6 +530,17 @@ def checkpointing():
     return tiered(checkpoint_every_tokens=1)
 
 
+def interrupted(core, continuation, tokens=(1, 2, 3)):
+    """A generation of the prompt (1, 2) that checkpointed ``tokens`` durably, then was released
+    unfinished: the checkpoint's meta."""
+    lease, _, _ = core.acquire((1, 2), continuation=continuation)
+    assert core(ev.Checkpoint(lease, 9, tokens, len(tokens), len(tokens) - 2, None, 5)) is True
+    meta = core.of(fx.WriteCheckpoint)[0].meta
+    core(done.CheckpointWritten(meta.key, len(tokens)))
+    core(ev.Release(lease, completed=False))
+    return meta
+
+
 def test_a_checkpoint_before_acquire_is_refused_as_such():
     core = checkpointing()
     request = Request((1, 2), 4, continuation=Continuation("k", 1))
@@ -552,12 +563,8 @@ def test_a_checkpoint_must_be_the_prompt_plus_what_was_generated(tokens, covered
 def test_a_checkpoint_of_nothing_generated_yet_is_written_and_resumed():
     core = checkpointing()
     continuation = Continuation("k", 1)
-    lease, _, _ = core.acquire((1, 2), continuation=continuation)
-    assert core(ev.Checkpoint(lease, 9, (1, 2), 2, 0, None, 5)) is True
-    meta = core.of(fx.WriteCheckpoint)[0].meta
+    meta = interrupted(core, continuation, tokens=(1, 2))
     assert meta == fx.CheckpointMeta("n\x1f\x1fk", "n", 2, 0, None, 1, seed_was_explicit=False)
-    core(done.CheckpointWritten(meta.key, 2))
-    core(ev.Release(lease, completed=False))
     lease, handle, reply = core.acquire((1, 2), continuation=continuation)
     assert reply is None and core.of(fx.ResumeCheckpoint) == [fx.ResumeCheckpoint(meta.key, handle)]
     reply = core(done.CheckpointResumed(handle, meta, (1, 2)))
@@ -635,11 +642,7 @@ def test_a_completed_generation_deletes_its_checkpoint_and_its_queued_writes():
 def test_an_inconsistent_checkpoint_is_deleted_and_the_acquire_falls_back(wrong):
     core = checkpointing()
     continuation = Continuation("k", 1)
-    lease, _, _ = core.acquire((1, 2), continuation=continuation)
-    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5))
-    meta = core.of(fx.WriteCheckpoint)[0].meta
-    core(done.CheckpointWritten(meta.key, 3))
-    core(ev.Release(lease, completed=False))
+    meta = interrupted(core, continuation)
     _, handle, _ = core.acquire((1, 2), continuation=continuation)
     tokens = (1, 2, 3)
     if wrong == "prompt_tokens":
@@ -662,11 +665,7 @@ def test_an_inconsistent_checkpoint_is_deleted_and_the_acquire_falls_back(wrong)
 def test_a_checkpoint_that_fails_to_read_is_deleted_and_the_acquire_falls_back():
     core = checkpointing()
     continuation = Continuation("k", 1)
-    lease, _, _ = core.acquire((1, 2), continuation=continuation)
-    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5))
-    key = core.of(fx.WriteCheckpoint)[0].meta.key
-    core(done.CheckpointWritten(key, 3))
-    core(ev.Release(lease, completed=False))
+    key = interrupted(core, continuation).key
     lease, handle, _ = core.acquire((1, 2), continuation=continuation)
     reply = core(done.ResumeFailed(key, handle, CORRUPT))
     assert reply == Acquired(lease, handle, 0, Source.FRESH)
