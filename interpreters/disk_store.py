@@ -112,6 +112,15 @@ def write_durably(path: Path, chunks: list) -> None:
         os.fsync(out.fileno())
 
 
+def _remove(path: Path) -> None:
+    """Delete ``path`` if it is there; where it cannot be deleted (a read-only file system) it stays:
+    what the service no longer claims is never read, so a leftover file costs only its bytes."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def _writer_alive(temp_name: str) -> bool:
     """Whether the process that names itself in a temp file (``.NAME.tmp-PID-THREAD``) is still running."""
     try:
@@ -299,16 +308,16 @@ class DiskStore:
             finally:
                 os.close(directory)
         except OSError as error:
-            temp.unlink(missing_ok=True)
+            _remove(temp)
             no_space = error.errno in (errno.ENOSPC, errno.EDQUOT)
             raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
                               f"{file.path.name}: {error}") from None
 
     def delete_prefix(self, key: DiskKey) -> None:
-        self.prefix_path(key).unlink(missing_ok=True)
+        _remove(self.prefix_path(key))
 
     def delete_checkpoint(self, key: str) -> None:
-        self.checkpoint_path(key).unlink(missing_ok=True)
+        _remove(self.checkpoint_path(key))
 
     # ------------------------------------------------------------ reads
 
@@ -430,17 +439,23 @@ class DiskStore:
         return described.checkpoint, described.tokens, caches
 
     def move_aside(self, path: Path, reason: FailureReason) -> None:
-        """Move a rejected file into ``rejected/`` (never deleted silently) and remember why."""
-        self.rejected_directory.mkdir(exist_ok=True)
+        """Move a rejected file into ``rejected/`` (never deleted silently) and remember why.
+
+        Where the directory cannot be written (a read-only file system) the file
+        stays where it is: it is still rejected, and judged again at the next scan.
+        """
         target = self.rejected_directory / f"{path.name}.{reason.value}"
         n = 1
         while target.exists():
             n += 1
             target = self.rejected_directory / f"{path.name}.{reason.value}.{n}"
         try:
+            self.rejected_directory.mkdir(exist_ok=True)
             os.replace(path, target)
         except FileNotFoundError:
             return
+        except OSError:
+            pass  # not movable: left in place, never restored all the same
         self.rejected.append((path.name, reason))
 
     # ------------------------------------------------------------ scan
@@ -459,7 +474,7 @@ class DiskStore:
                 continue
             if path.name.startswith(".") and ".tmp-" in path.name:
                 if not _writer_alive(path.name):
-                    path.unlink(missing_ok=True)  # an interrupted write: never claimed
+                    _remove(path)  # an interrupted write: never claimed
                 continue
             if not path.name.endswith(SUFFIX):
                 continue

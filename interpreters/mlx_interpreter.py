@@ -36,6 +36,7 @@ class _Writer:
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
         self._done: list = []
+        self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvstate-writer", daemon=True)
         self._thread.start()
@@ -54,11 +55,18 @@ class _Writer:
                 if completion is not None:
                     with self._lock:
                         self._done.append(completion)
+            except Exception as error:  # noqa: BLE001 - the thread lives on; the caller hears of it at poll
+                with self._lock:
+                    self._errors.append(error)
             finally:
                 self._jobs.task_done()
 
     def poll(self) -> list:
+        """The completions so far; :class:`InterpreterError` once for a queued job that raised."""
         with self._lock:
+            if self._errors:  # the completions stay for the next poll
+                error, self._errors = self._errors[0], self._errors[1:]
+                raise InterpreterError(f"a background disk job failed: {error!r}") from error
             out, self._done = self._done, []
         return out
 
@@ -173,6 +181,8 @@ class MlxInterpreter(HeldState):
                 commit()
             except WriteFailed as error:
                 return failed(error.reason)
+            except Exception:  # noqa: BLE001 - any write that did not complete is a failed write, counted
+                return failed(done.FailureReason.IO_ERROR)
             return succeeded
         if self._writer is not None:
             self._writer.submit(job)

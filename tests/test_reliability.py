@@ -107,6 +107,26 @@ def test_a_full_disk_fails_writes_cleanly_and_the_service_keeps_serving(tmp_path
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix == ".safetensors"]
 
 
+def device_lost(path, chunks):
+    raise RuntimeError("the storage device went away")
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_write_failing_in_an_unforeseen_way_is_a_failed_write_not_a_hang(tmp_path, background):
+    model, config = build("llama", seed=63)
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=8 << 20, disk_dir=str(tmp_path),
+                                     disk_bytes=64 << 20, write_file=device_lost, background_writes=background)
+    for n in range(3):
+        prompt = tuple(range(n * 50 + 1, n * 50 + 31))
+        state = service.acquire(request := Request(prompt, 2), "n")
+        model(mx.array([list(prompt)]), cache=state.caches)
+        service.publish(request, "n", prompt, state.caches)
+        service.release(request)
+    result = service.flush()  # returns: the writer survived every failure
+    assert not result.durable and service.report().failed_writes >= 3
+    assert service.acquire(Request(tuple(range(1, 31)) + (9,), 2), "n").reused_tokens == 30
+
+
 def workload(service, seed):
     """Sessions over shared prefixes on the simulator, a flush halfway; returns what was published."""
     rng = random.Random(seed)
@@ -268,20 +288,30 @@ def test_a_file_replaced_while_restored_gives_the_opened_files_content(tmp_path,
     assert loaded_values(store.read_prefix(key)) == expected_next
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 256 KiB tmpfs, where this machine allows mounting one (root); skipped, saying why, elsewhere."""
+def tmpfs(directory, size):
+    """Mount a real tmpfs of ``size`` at ``directory`` where this machine allows it (root); else skip, saying why."""
     import subprocess
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    directory.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip() or done.returncode}")
     try:
-        yield mount
+        yield directory
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 256 KiB tmpfs."""
+    yield from tmpfs(tmp_path / "tmpfs", "256k")
+
+
+@pytest.fixture
+def roomy_tmpfs(tmp_path):
+    """A real 8 MiB tmpfs (to be remounted read-only)."""
+    yield from tmpfs(tmp_path / "tmpfs", "8m")
 
 
 def test_a_real_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(small_tmpfs):
@@ -304,3 +334,42 @@ def test_a_real_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(
     assert files and not [p for p in files if ".tmp-" in p.name]  # no half-written file left behind
     scanned = DiskStore(small_tmpfs, service.interpreter.store.identity).scan()
     assert len(scanned[0]) == report.spills and scanned[2] == 0  # each file written whole is valid
+
+
+def test_a_read_only_filesystem_still_serves_what_it_holds_and_fails_writes_cleanly(roomy_tmpfs):
+    import subprocess
+    model, config = build("llama", seed=62)
+
+    def service():
+        return KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, disk_dir=str(roomy_tmpfs),
+                                      disk_bytes=64 << 20)
+
+    def serve(svc, prompt):
+        request = Request(prompt, 2)
+        state = svc.acquire(request, "n")
+        model(mx.array([list(prompt[state.reused_tokens:])]), cache=state.caches)
+        svc.publish(request, "n", prompt, state.caches)
+        svc.release(request)
+        return state
+
+    first = service()
+    saved = [tuple(range(n * 100 + 1, n * 100 + 41)) for n in range(2)]
+    for prompt in saved:
+        serve(first, prompt)
+    assert first.close().durable
+    directory = first.interpreter.store.directory
+    (directory / "prefix-0000.safetensors").write_bytes(b"not a saved file")
+    (directory / ".prefix-0001.tmp-999999999-1.safetensors").write_bytes(b"half a write")
+    subprocess.run(["mount", "-o", "remount,ro", str(roomy_tmpfs)], check=True)
+    try:
+        again = service()  # the scan can neither move the bad file aside nor remove the temp file
+        report = again.report()
+        assert report.saved_entries == 2 and report.rejected_files == 1
+        state = serve(again, saved[0] + (7,))
+        assert (state.source, state.reused_tokens) == (Source.DISK, 40)
+        serve(again, tuple(range(500, 540)))
+        result = again.flush()
+        assert not result.durable and again.report().failed_writes >= 1
+        assert serve(again, tuple(range(500, 540)) + (1,)).reused_tokens == 40  # the RAM copy serves
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(roomy_tmpfs)], check=True)
