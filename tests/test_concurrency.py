@@ -23,6 +23,7 @@ from kvstate import KvCacheService, Request, model_spec
 from kvstate.effects import DiskKey
 from kvstate.interpreters.disk_budget import RootBudget, directory_bytes
 from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+from kvstate.models.mlx_adapter import spec_from_model
 from kvstate.models.reference import build
 
 TOLERANCE = 1e-4
@@ -55,16 +56,21 @@ def last_logits(model, tokens, caches):
 def test_threads_on_the_mlx_interpreter_reuse_only_what_was_published(tmp_path):
     model, config = build("llama", seed=7)
     # RAM for a few prompts only, so threads evict, spill, restore and give back while others prefill.
+    two_at_once = 2 * spec_from_model(model, "llama").bytes_for(40)  # the KV budget admits two requests at a time
     service = KvCacheService.for_mlx(model, config=config, ram_bytes=200 << 10, disk_dir=str(tmp_path),
-                                     disk_bytes=64 << 20)
+                                     disk_bytes=64 << 20, kv_budget_bytes=two_at_once)
     bases = [tuple(range(b * 40 + 1, b * 40 + 33)) for b in range(4)]
     reused: list[int] = []
+    waited: list[int] = []
 
     def worker(seed):
         rng = random.Random(seed)
         for _ in range(12):
             prompt = rng.choice(bases) + tuple(rng.randrange(1, 200) for _ in range(rng.randint(1, 6)))
             request = Request(prompt, 2)
+            if not service.admit(request):
+                waited.append(seed)
+                continue
             state = service.acquire(request, "n")
             logits = last_logits(model, prompt[state.reused_tokens:], state.caches)
             expected = last_logits(model, prompt, make_prompt_cache(model))
@@ -82,6 +88,7 @@ def test_threads_on_the_mlx_interpreter_reuse_only_what_was_published(tmp_path):
     assert report.live_requests == 0 and report.projected_bytes == 0
     assert report.bytes <= report.capacity_bytes
     assert sum(1 for n in reused if n > 0) >= 12 and report.evictions + report.demotions > 0
+    assert len(reused) + len(waited) == 4 * 12
     assert service.flush().durable
     service.close()
 
