@@ -169,7 +169,6 @@ def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
     prompt = prompt_of(512, salt=3)
     for i in range(repeat * 4):
         request = Request(prompt + (i + 1,), 16)
-        start_calls = clock.seconds
         state = service.acquire(request, "bench")
         logits = prefill(model, state.caches, request.prompt[state.reused_tokens:])
         token = int(mx.argmax(logits).item())

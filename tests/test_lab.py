@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import OrderedDict
 
 import hypothesis.strategies as st
 import pytest

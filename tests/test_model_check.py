@@ -21,7 +21,7 @@ import attrs
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
-    Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule, run_state_machine_as_test,
+    Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
 )
 
 from kvstate import (

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvstate import Continuation, KvCacheService, Request
+from kvstate import KvCacheService, Request
 from kvstate.interpreters.scheduler import Scheduler, sample
 from kvstate.models.reference import build
 

@@ -592,7 +592,7 @@ def test_a_checkpoint_still_being_written_or_only_failed_is_not_resumed():
 def test_a_checkpoint_found_by_a_scan_with_one_durable_token_is_resumed():
     core = checkpointing()
     continuation = Continuation("k", 1)
-    key = f"n\x1f\x1fk"
+    key = "n\x1f\x1fk"
     meta = fx.CheckpointMeta(key, "n", 1, 0, None, 1, False)
     core(ev.Scanned(checkpoints=((meta, 1),)))
     _, handle, _ = core.acquire((1,), continuation=continuation)
@@ -658,7 +658,7 @@ def test_an_inconsistent_checkpoint_is_deleted_and_the_acquire_falls_back(wrong)
     reply = core(done.CheckpointResumed(handle, meta, tokens))
     assert reply.source is Source.FRESH
     assert core.of(fx.DropPublished)[0] == fx.DropPublished(handle)
-    assert fx.DeleteCheckpoint(f"n\x1f\x1fk") in core.effects
+    assert fx.DeleteCheckpoint("n\x1f\x1fk") in core.effects
     assert core.counts() == {"misses": 2, "checkpoints_written": 1, "rejected_files": 1}
 
 

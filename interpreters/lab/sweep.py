@@ -12,7 +12,7 @@ from typing import Sequence
 import attrs
 
 from kvstate.interpreters.lab.runs import (
-    Outcome, block_bytes, run_blocks, run_prefixes, unbounded,
+    Outcome, block_bytes, run_blocks, run_prefixes,
 )
 from kvstate.interpreters.lab.traces import Trace
 from kvstate.interpreters.replay import BLOCK_TOKENS
