@@ -341,7 +341,8 @@ class DiskStore:
         return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
     def _reject(self, path: Path, file: BinaryIO, rejected: RejectedFile) -> bool:
-        """Move a rejected file aside, unless its name now holds another file (that one is not judged); moved?"""
+        """Move the rejected open ``file`` aside; False (nothing done) when ``path`` no longer names it:
+        the file there now has not been judged."""
         if rejected.reason is FailureReason.MISSING or not self._still_named(path, file):
             return False
         self.move_aside(path, rejected.reason)
@@ -478,24 +479,11 @@ class DiskStore:
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
-            described = None
-            for _ in range(2):
-                try:
-                    file = self._open(path)
-                except RejectedFile:
-                    break  # deleted since the listing: nothing to claim
-                with file:
-                    try:
-                        found, error = self._describe(path, file)[0], None
-                    except RejectedFile as rejection:
-                        found, error = None, rejection
-                    if not self._still_named(path, file):
-                        continue  # replaced or deleted while read: judge what is there now
-                    if error is not None:
-                        self.move_aside(path, error.reason)
-                        rejected += 1
-                    described = found
-                break
+            try:
+                described = self._scanned(path)
+            except RejectedFile:
+                rejected += 1
+                continue
             if described is None:
                 continue
             if described.kind == "checkpoint" and described.checkpoint is not None:
@@ -504,6 +492,25 @@ class DiskStore:
                 records.append(SavedRecord(described.namespace, described.tokens, described.nbytes,
                                            described.trimmable))
         return records, checkpoints, rejected
+
+    def _scanned(self, path: Path) -> SavedFile | None:
+        """What the file ``path`` names holds, from its header; None once it is gone. A file replaced
+        while read is read once more; a bad one is moved aside and :class:`RejectedFile` raised."""
+        for _ in range(2):
+            try:
+                file = self._open(path)
+            except RejectedFile:
+                return None  # deleted since the listing: nothing to claim
+            with file:
+                try:
+                    described = self._describe(path, file)[0]
+                except RejectedFile as error:
+                    if self._reject(path, file, error):
+                        raise
+                    continue  # replaced or deleted while read: judge what is there now
+                if self._still_named(path, file):
+                    return described
+        return None
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every saved prefix, from headers alone."""
