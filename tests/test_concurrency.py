@@ -61,7 +61,7 @@ def test_threads_on_the_mlx_interpreter_reuse_only_what_was_published(tmp_path):
                                      disk_bytes=64 << 20, kv_budget_bytes=two_at_once)
     bases = [tuple(range(b * 40 + 1, b * 40 + 33)) for b in range(4)]
     reused: list[int] = []
-    waited: list[int] = []
+    not_admitted: list[int] = []
 
     def worker(seed):
         rng = random.Random(seed)
@@ -69,7 +69,7 @@ def test_threads_on_the_mlx_interpreter_reuse_only_what_was_published(tmp_path):
             prompt = rng.choice(bases) + tuple(rng.randrange(1, 200) for _ in range(rng.randint(1, 6)))
             request = Request(prompt, 2)
             if not service.admit(request):
-                waited.append(seed)
+                not_admitted.append(seed)
                 continue
             state = service.acquire(request, "n")
             logits = last_logits(model, prompt[state.reused_tokens:], state.caches)
@@ -88,7 +88,7 @@ def test_threads_on_the_mlx_interpreter_reuse_only_what_was_published(tmp_path):
     assert report.live_requests == 0 and report.projected_bytes == 0
     assert report.bytes <= report.capacity_bytes
     assert sum(1 for n in reused if n > 0) >= 12 and report.evictions + report.demotions > 0
-    assert len(reused) + len(waited) == 4 * 12
+    assert len(reused) + len(not_admitted) == 4 * 12
     assert service.flush().durable
     service.close()
 
