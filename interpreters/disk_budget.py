@@ -7,6 +7,10 @@ store and is idle. ``reclaim`` runs under the root's own lock file: while the
 root holds more than its budget, it deletes the oldest saved files of idle
 directories (never a live one's). A store attaches when its service starts and
 reclaims again when it closes, so what it leaves behind counts and may go.
+
+Live stores delete their own evicted files without the root lock, so any file
+or directory listed here may be gone by the time it is looked at: a file that
+vanished counts nothing and is skipped, never an error.
 """
 
 from __future__ import annotations
@@ -21,12 +25,44 @@ LIVE = ".live"
 ROOT_LOCK = ".budget.lock"
 
 
-def _saved_files(directory: Path) -> list[Path]:
-    return [p for p in directory.iterdir() if p.is_file() and p.name.endswith(SUFFIX) and not p.name.startswith(".")]
+def _listing(directory: Path) -> list[os.DirEntry]:
+    """The entries of ``directory``; none when it is gone or unreadable."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError:
+        return []
+
+
+def _saved_files(directory: Path) -> list[tuple[float, int, Path]]:
+    """``(mtime, size, path)`` of each saved file in ``directory`` still there when looked at."""
+    found = []
+    for entry in _listing(directory):
+        if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
+            continue
+        try:
+            stat = entry.stat(follow_symlinks=False)
+        except OSError:  # deleted by a live store since the listing
+            continue
+        if not entry.is_symlink() and (stat.st_mode & 0o170000) == 0o100000:
+            found.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+    return found
+
+
+def _directories(root: Path) -> list[Path]:
+    directories = []
+    for entry in _listing(root):
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                directories.append(Path(entry.path))
+        except OSError:
+            continue
+    return directories
 
 
 def directory_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in _saved_files(directory))
+    """The bytes the saved files in ``directory`` take, as the file system counts their sizes."""
+    return sum(size for _, size, _ in _saved_files(directory))
 
 
 class RootBudget:
@@ -43,8 +79,12 @@ class RootBudget:
     def attach(self, directory: Path) -> None:
         """Mark ``directory`` live (a shared lock held until :meth:`detach`)."""
         directory.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(directory / LIVE, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(descriptor, fcntl.LOCK_SH)
+        descriptor = os.open(directory / LIVE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(descriptor)
+            raise
         self._held[directory] = descriptor
 
     def detach(self, directory: Path) -> None:
@@ -57,7 +97,7 @@ class RootBudget:
         if directory in self._held:
             return False
         try:
-            descriptor = os.open(directory / LIVE, os.O_RDWR | os.O_CREAT, 0o644)
+            descriptor = os.open(directory / LIVE, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             return False
         try:
@@ -69,25 +109,28 @@ class RootBudget:
         return True
 
     def used_bytes(self) -> int:
-        return sum(directory_bytes(d) for d in self.root.iterdir() if d.is_dir())
+        return sum(directory_bytes(d) for d in _directories(self.root))
 
     def reclaim(self) -> int:
         """Delete the oldest files of idle directories until the root fits; the bytes freed."""
-        lock = os.open(self.root / ROOT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.open(self.root / ROOT_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         freed = 0
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            directories = [d for d in self.root.iterdir() if d.is_dir()]
+            directories = _directories(self.root)
             used = sum(directory_bytes(d) for d in directories)
             if used <= self.max_bytes:
                 return 0
-            candidates = sorted((p.stat().st_mtime, p) for d in directories if self._idle(d)
-                                for p in _saved_files(d))
-            for _, path in candidates:
+            candidates = sorted(found for d in directories if self._idle(d) for found in _saved_files(d))
+            for _, size, path in candidates:
                 if used - freed <= self.max_bytes:
                     break
-                size = path.stat().st_size
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass  # gone meanwhile: its bytes are free all the same
+                except OSError:
+                    continue  # cannot be deleted (read-only): it still counts
                 freed += size
             return freed
         finally:

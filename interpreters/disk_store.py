@@ -236,14 +236,18 @@ class DiskStore:
         self.budget = budget
         if budget is not None:
             budget.attach(self.directory)
-            budget.reclaim()  # a lowered budget, or another process's leftovers, take effect now
+            try:
+                budget.reclaim()  # a lowered budget, or another process's leftovers, take effect now
+            except BaseException:
+                budget.detach(self.directory)  # a failed start leaves no live lock behind
+                raise
 
     def close(self) -> None:
         """This store is idle from now on: its files count against the root budget and may be evicted."""
-        if self.budget is not None:
-            self.budget.detach(self.directory)
-            self.budget.reclaim()
-            self.budget = None
+        budget, self.budget = self.budget, None
+        if budget is not None:
+            budget.detach(self.directory)
+            budget.reclaim()
 
     # ------------------------------------------------------------ names
 
@@ -381,22 +385,45 @@ class DiskStore:
         """Read the file once; verify each tensor's bytes on the host; then build the arrays from them.
 
         Header and data come from one open file: a file replaced under its name
-        meanwhile gives the content of the one that was opened, never a mix.
+        meanwhile gives the content of the one that was opened, never a mix. An
+        I/O error or a short read is tried once more from a fresh open before the
+        file is rejected; whatever goes wrong, the caller hears :class:`RejectedFile`.
         """
-        with self._open(path) as file:
+        for attempt in (1, 2):
             try:
-                return self._load_open(path, file)
+                file = self._open(path)
             except RejectedFile as rejected:
-                self._reject(path, file, rejected)
+                if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
+                    continue
                 raise
+            with file:
+                try:
+                    return self._load_open(path, file)
+                except RejectedFile as rejected:
+                    if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
+                        continue
+                    self._reject(path, file, rejected)
+                    raise
+        raise AssertionError("unreachable")
 
     def _load_open(self, path: Path, file: BinaryIO) -> tuple[SavedFile, list]:
         described, metadata, tensors = self._describe(path, file)
+        size = os.fstat(file.fileno()).st_size
         try:
             file.seek(0)
             data = np.fromfile(file, dtype=np.uint8)
-        except OSError as error:
+        except (OSError, ValueError) as error:
             raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+        if data.size != size:
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {data.size} of its {size} bytes")
+        try:
+            return described, self._decode(path, data, metadata, tensors)
+        except RejectedFile:
+            raise
+        except Exception as error:  # noqa: BLE001 - a header that passed its checks and still fails to build
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: cannot be rebuilt ({error!r})") from None
+
+    def _decode(self, path: Path, data: np.ndarray, metadata: dict[str, str], tensors: dict[str, Any]) -> list:
         (length,) = struct.unpack("<Q", data[:8].tobytes())
         start = 8 + length
         slices = {name: data[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
@@ -422,7 +449,11 @@ class DiskStore:
                 caches.append(codec_named(layer["class"]).load(own, layer))
             except (KeyError, TypeError, ValueError):
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: layer {i} cannot be rebuilt") from None
-        return described, caches
+        return caches
+
+    def reject_prefix(self, key: DiskKey, reason: FailureReason) -> None:
+        """Move the file of ``key`` aside: it failed in a way the store itself did not name."""
+        self.move_aside(self.prefix_path(key), reason)
 
     def read_prefix(self, key: DiskKey) -> list:
         """The caches saved under ``key``; :class:`RejectedFile` (moved aside) if they cannot be trusted."""

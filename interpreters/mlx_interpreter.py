@@ -217,10 +217,16 @@ class MlxInterpreter(HeldState):
                            lambda reason: done.SpillFailed(e.entry, reason))
 
     def _read(self, key: fx.DiskKey) -> list | done.FailureReason:
+        """The saved caches of ``key``, or why not. Every failure is a failed read the core hears of
+        (so the entry is unpinned and forgotten), never an exception out of the performer."""
+        store = self._store()
         try:
-            return self._store().read_prefix(key)
+            return store.read_prefix(key)
         except RejectedFile as rejected:
             return rejected.reason
+        except Exception:  # noqa: BLE001 - not the store's own rejection: moved aside all the same
+            store.reject_prefix(key, done.FailureReason.IO_ERROR)
+            return done.FailureReason.IO_ERROR
 
     def _restore_entry(self, e: fx.RestoreEntry) -> list:
         caches = self._read(e.key)
@@ -259,6 +265,8 @@ class MlxInterpreter(HeldState):
             meta, tokens, caches = self._store().read_checkpoint(e.key)
         except RejectedFile as rejected:
             return [done.ResumeFailed(e.key, e.handle, rejected.reason)]
+        except Exception:  # noqa: BLE001 - the resume fails; the core deletes the checkpoint
+            return [done.ResumeFailed(e.key, e.handle, done.FailureReason.IO_ERROR)]
         self._handles[e.handle] = caches
         return [done.CheckpointResumed(e.handle, meta, tuple(tokens))]
 

@@ -1,0 +1,108 @@
+"""The shared root budget while other live stores delete their own files under it.
+
+A live store deletes evicted files without the root lock, so between a listing of the root and a
+look at one file, that file may be gone. These tests make that interleaving happen on real files:
+the listing is taken, then another store's file is deleted, then the budget looks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvstate.effects import DiskKey
+from kvstate.interpreters.disk_budget import LIVE, ROOT_LOCK, RootBudget, directory_bytes
+from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+
+
+def save(store, count, start=0):
+    for i in range(start, start + count):
+        cache = KVCache()
+        keys = mx.random.normal((1, 2, 16, 8), key=mx.random.key(i)).astype(mx.bfloat16)
+        cache.update_and_fetch(keys, keys)
+        store.commit(store.encode_prefix(DiskKey("n", tuple(range(i, i + 16))), [cache], True, 0))
+
+
+class DeletedAfterListing:
+    """``os.scandir`` as another live store sees it race: each listing of ``directory`` is taken
+    whole, then one of its saved files is deleted before the caller looks at the entries."""
+
+    def __init__(self, directory):
+        self.directory = str(directory)
+        self.deleted = []
+        self._scandir = os.scandir
+
+    def __call__(self, path="."):
+        entries = list(self._scandir(path))
+        if os.path.abspath(path) == os.path.abspath(self.directory):
+            victims = [e for e in entries if e.name.endswith(".safetensors") and not e.name.startswith(".")]
+            if victims:
+                os.unlink(victims[0].path)
+                self.deleted.append(victims[0].name)
+        return _Listing(entries)
+
+
+class _Listing(list):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_file_deleted_after_the_listing_counts_nothing_and_is_no_error(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    budget = RootBudget(root, 1 << 40)
+    live = DiskStore(root, StoreIdentity("live", "t", "cfg-live"), budget=budget)
+    save(live, 3)
+    sizes = {p.name: p.stat().st_size for p in live.directory.glob("*.safetensors")}
+    race = DeletedAfterListing(live.directory)
+    monkeypatch.setattr(os, "scandir", race)
+    assert directory_bytes(live.directory) == sum(sizes.values()) - sizes[race.deleted[0]]
+    assert budget.used_bytes() == sum(sizes[name] for name in sizes if name not in race.deleted)
+    assert budget.reclaim() == 0
+    assert len(race.deleted) == 3
+
+
+@pytest.mark.parametrize("when", ["start", "close"])
+def test_a_start_or_close_survives_another_stores_deletes(tmp_path, monkeypatch, when):
+    """Another live store deletes its files while this one starts or closes (and reclaims)."""
+    root = tmp_path / "root"
+    other_budget = RootBudget(root, 1 << 40)
+    other = DiskStore(root, StoreIdentity("other", "t", "cfg-other"), budget=other_budget)
+    save(other, 6)
+    idle = DiskStore(root, StoreIdentity("idle", "t", "cfg-idle"))
+    save(idle, 4, start=100)
+    one_file = directory_bytes(idle.directory) // 4
+    budget = RootBudget(root, 8 * one_file)  # over: the idle directory's oldest files must go
+    race = DeletedAfterListing(other.directory)
+    if when == "start":
+        monkeypatch.setattr(os, "scandir", race)
+    mine = DiskStore(root, StoreIdentity("mine", "t", "cfg-mine"), budget=budget)
+    save(mine, 1, start=200)
+    monkeypatch.setattr(os, "scandir", race)
+    mine.close()
+    monkeypatch.undo()
+    assert race.deleted
+    assert budget.used_bytes() <= budget.max_bytes
+    assert len(os.listdir(other.directory)) > 1  # the live one lost only what it deleted itself
+    other.close()
+
+
+def test_a_failed_start_leaves_no_live_lock_behind(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / ROOT_LOCK).mkdir()  # the root lock cannot be opened: reclaim fails at start
+    budget = RootBudget(root, 1 << 20)
+    identity = StoreIdentity("m", "t", "cfg-m")
+    with pytest.raises(OSError):
+        DiskStore(root, identity, budget=budget)
+    lock = os.open(root / identity.config_fingerprint / LIVE, os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # idle: nobody holds it any more
+    finally:
+        os.close(lock)
