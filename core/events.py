@@ -62,6 +62,8 @@ class Publish(Event):
     covered: int
     nbytes: int
     trimmable: bool
+    #: The bytes the file saving this state would take (0 without a disk tier).
+    file_bytes: int
 
 
 @attrs.frozen
@@ -75,6 +77,8 @@ class Checkpoint(Event):
     generated_tokens: int
     pending_token: int | None
     nbytes: int
+    #: The bytes the checkpoint file would take.
+    file_bytes: int
 
 
 @attrs.frozen
@@ -137,6 +141,8 @@ class ObjectPut(Event):
     key: str
     handle: int
     nbytes: int
+    #: The bytes the file saving this object would take (0 without a disk tier).
+    file_bytes: int
 
 
 @attrs.frozen
@@ -165,8 +171,19 @@ class SavedRecord:
 
     namespace: str
     tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    #: The bytes its state takes in RAM once restored, and the bytes its file takes on disk.
     nbytes: int
     trimmable: bool
+    file_bytes: int
+
+
+@attrs.frozen
+class SavedCheckpoint:
+    """One durable generation checkpoint, as a scan of its header found it."""
+
+    meta: CheckpointMeta
+    tokens: int
+    file_bytes: int
 
 
 @attrs.frozen
@@ -174,6 +191,6 @@ class Scanned(Event):
     """At start: what saved state already holds (prefixes and durable checkpoints)."""
 
     records: tuple[SavedRecord, ...] = ()
-    checkpoints: tuple[tuple[CheckpointMeta, int], ...] = ()
+    checkpoints: tuple[SavedCheckpoint, ...] = ()
     #: Files the scan rejected (foreign, corrupt) and moved aside.
     rejected: int = 0

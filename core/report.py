@@ -32,10 +32,13 @@ class Report:
     not_kept: int
     evictions: int
     demotions: int
-    #: Saved state on disk (0 and None capacity without a disk tier).
+    #: Saved prefixes and objects on disk, and the bytes their files take (0 and None capacity without
+    #: a disk tier). ``disk_bytes`` is what the disk tier charges against its capacity: every saved
+    #: file, checkpoints included, and the files of writes in flight.
     saved_entries: int
     saved_bytes: int
     saved_capacity_bytes: int | None
+    disk_bytes: int
     spills: int
     restores: int
     prefetches: int
@@ -46,8 +49,9 @@ class Report:
     pending_write_bytes: int
     dropped_writes: int
     failed_writes: int
-    #: Generation checkpoints known, written, and resumed.
+    #: Generation checkpoints known, the bytes their durable files take, written, and resumed.
     checkpoints: int
+    checkpoint_bytes: int
     checkpoints_written: int
     resumes: int
     #: Live requests, and the projected bytes of the admitted ones against the budget.
@@ -66,7 +70,7 @@ def report(state: ServiceState) -> Report:
             ram_bytes += entry.nbytes
         if entry.residence in ON_DISK:
             saved += 1
-            saved_bytes += entry.nbytes
+            saved_bytes += entry.file_bytes
     return Report(
         entries=in_ram, bytes=ram_bytes, capacity_bytes=config.ram_capacity_bytes,
         hits=c.hits, misses=c.misses, session_hits=c.session_hits, session_misses=c.session_misses,
@@ -74,9 +78,11 @@ def report(state: ServiceState) -> Report:
         object_restores=c.object_restores, kept=c.kept, duplicates=c.duplicates, not_kept=c.not_kept,
         evictions=c.evictions, demotions=c.demotions,
         saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
+        disk_bytes=state.disk_bytes,
         spills=c.spills, restores=c.restores, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
         rejected_files=c.rejected_files,
         pending_writes=state.pending_writes, pending_write_bytes=state.pending_write_bytes,
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,
-        checkpoints=len(state.checkpoints), checkpoints_written=c.checkpoints_written, resumes=c.resumes,
+        checkpoints=len(state.checkpoints), checkpoint_bytes=sum(r.file_bytes for r in state.checkpoints.values()),
+        checkpoints_written=c.checkpoints_written, resumes=c.resumes,
         live_requests=len(state.leases), projected_bytes=state.projected_bytes, budget_bytes=config.kv_budget_bytes)

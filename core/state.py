@@ -172,6 +172,10 @@ class Entry:
     tag: int
     #: Drop the RAM copy once the write in flight is durable (idle demotion, pressure).
     demote: bool = False
+    #: The bytes its saved file takes on disk (header included), as the interpreter measured it: what
+    #: the disk tier charges while a write is in flight or a copy is on disk. ``nbytes`` is what RAM
+    #: charges.
+    file_bytes: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -197,6 +201,9 @@ class CheckpointRecord:
     durable_tokens: int = 0
     pending: int = 0
     pending_bytes: int = 0
+    #: The bytes the durable checkpoint file takes, and those reserved on disk by the writes in flight.
+    file_bytes: int = 0
+    pending_file_bytes: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -243,7 +250,7 @@ class ServiceState:
     ram: PrefixIndex = PrefixIndex()
     disk: PrefixIndex = PrefixIndex()
     ram_bytes: int = 0                      # RAM entries plus reads into RAM in flight
-    disk_bytes: int = 0                     # disk entries plus writes in flight
+    disk_bytes: int = 0                     # saved files (prefixes, checkpoints) plus writes in flight
     ram_policy: Any = None
     disk_policy: Any = None
     pending_writes: int = 0

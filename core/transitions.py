@@ -139,7 +139,7 @@ def _drop_disk(state: ServiceState, entry: Entry, out: list, delete: bool) -> Se
     if delete:
         out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
     state = attrs.evolve(state, disk=state.disk.remove(entry.namespace, entry.tokens),
-                         disk_bytes=state.disk_bytes - entry.nbytes,
+                         disk_bytes=state.disk_bytes - entry.file_bytes,
                          disk_policy=state.disk_strategy.removed(state.disk_policy, entry.id))
     if after is None:
         return attrs.evolve(state, entries=state.entries.delete(entry.id))
@@ -196,20 +196,24 @@ def _count(state: ServiceState, **increments: int) -> ServiceState:
 
 
 def _start_spill(state: ServiceState, entry: Entry, out: list, demote: bool = False,
-                 bounded: bool = True) -> ServiceState:
-    """Start writing RAM-only ``entry`` to disk, making disk room; a full queue or disk drops the write."""
+                 bounded: bool = True, evict: bool = True) -> ServiceState:
+    """Start writing RAM-only ``entry`` to disk, making disk room (evicting saved state only when
+    ``evict``); a full queue or disk drops the write."""
     if bounded and state.pending_write_bytes + entry.nbytes > state.config.write_queue_bytes:
         return _count(state, dropped_writes=1)
+    if not evict and state.disk_bytes + entry.file_bytes > (state.config.disk_capacity_bytes or 0):
+        return _count(state, dropped_writes=1)
     local: list = []
-    room = _make_disk_room(state, entry.nbytes, local)
+    room = _make_disk_room(state, entry.file_bytes, local)
     if room is None:
         return _count(state, dropped_writes=1)
     out.extend(local)
     entry = room.entries[entry.id]
-    state = attrs.evolve(room, disk_bytes=room.disk_bytes + entry.nbytes,
+    state = attrs.evolve(room, disk_bytes=room.disk_bytes + entry.file_bytes,
                          pending_writes=room.pending_writes + 1,
                          pending_write_bytes=room.pending_write_bytes + entry.nbytes)
-    out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable))
+    out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
+                             entry.file_bytes))
     return _set_entry(state, attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
 
 
@@ -230,7 +234,7 @@ def _insert_ram(state: ServiceState, entry: Entry) -> ServiceState:
 def _insert_disk(state: ServiceState, entry: Entry) -> ServiceState:
     return attrs.evolve(
         state, disk=state.disk.insert(entry.namespace, entry.tokens, entry.id, entry.trimmable),
-        disk_policy=state.disk_strategy.inserted(state.disk_policy, entry.id, entry.nbytes,
+        disk_policy=state.disk_strategy.inserted(state.disk_policy, entry.id, entry.file_bytes,
                                                  len(entry.tokens), entry.tag))
 
 
@@ -447,7 +451,7 @@ def _resume_failed(state: ServiceState, e: done.ResumeFailed, drop_handle: bool 
     key = state.leases[lease_id].checkpoint_key if lease_id is not None else e.key
     if key in state.checkpoints:
         out.append(fx.DeleteCheckpoint(key))
-        state = attrs.evolve(state, checkpoints=state.checkpoints.delete(key))
+        state = _forget_checkpoint(state, key)
     state = _count(state, rejected_files=1)
     if lease_id is None:
         return Step(state, tuple(out), None)
@@ -469,15 +473,20 @@ def _publish(state: ServiceState, e: ev.Publish) -> Step:
     if e.covered != len(e.tokens):
         raise TokensDoNotMatchCaches(f"published {len(e.tokens)} tokens with caches covering {e.covered}; "
                                      f"publish exactly the tokens the caches hold")
-    if e.nbytes < 0:
-        raise InvalidRequest(f"caches report {e.nbytes} bytes")
+    _check_sizes(e.nbytes, e.file_bytes)
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
-    return _keep(state, namespace, e.tokens, e.handle, e.nbytes, e.trimmable, request.session_id, protected,
-                 notify=True)
+    return _keep(state, namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
+                 protected, notify=True)
+
+
+def _check_sizes(nbytes: object, file_bytes: object) -> None:
+    for what, value in (("caches", nbytes), ("their file", file_bytes)):
+        if not isinstance(value, int) or value < 0:
+            raise InvalidRequest(f"{what} report {value!r} bytes")
 
 
 def _keep(state: ServiceState, namespace: str, tokens: tuple[int, ...], handle: int, nbytes: int,
-          trimmable: bool, session: str | None, protected: bool, notify: bool) -> Step:
+          file_bytes: int, trimmable: bool, session: str | None, protected: bool, notify: bool) -> Step:
     """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it."""
     existing = state.ram.exact(namespace, tokens)
     if existing is not None:
@@ -503,7 +512,7 @@ def _keep(state: ServiceState, namespace: str, tokens: tuple[int, ...], handle: 
         out.append(fx.AdoptPublished(handle, entry.id))
     else:
         entry = Entry(state.next_entry, namespace, tokens, nbytes, trimmable, R.RAM, state.now,
-                      session, protected, content_tag(namespace, tokens))
+                      session, protected, content_tag(namespace, tokens), file_bytes=file_bytes)
         state = attrs.evolve(_set_entry(state, entry), next_entry=entry.id + 1, ram_bytes=state.ram_bytes + nbytes)
         state = _insert_ram(state, entry)
         out.append(fx.AdoptPublished(handle, entry.id))
@@ -536,7 +545,7 @@ def _spill_failed(state: ServiceState, e: done.SpillFailed) -> Step:
         return Step(state, (), None)
     state = attrs.evolve(state, pending_writes=state.pending_writes - 1,
                          pending_write_bytes=state.pending_write_bytes - entry.nbytes,
-                         disk_bytes=state.disk_bytes - entry.nbytes)
+                         disk_bytes=state.disk_bytes - entry.file_bytes)
     failed = attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), demote=False)
     return Step(_count(_set_entry(state, failed), failed_writes=1), (), None)
 
@@ -566,9 +575,11 @@ def _object_put(state: ServiceState, e: ev.ObjectPut) -> Step:
     """Keep an object under the prefixes' RAM budget and policy, spilled like them."""
     _open(state, "objects.put")
     tokens = object_tokens(e.key)
+    _check_sizes(e.nbytes, e.file_bytes)
     if state.config.ram_capacity_bytes == 0:
         return Step(_count(state, not_kept=1), (fx.DropPublished(e.handle),), NotKept(NotKeptReason.TOO_LARGE))
-    return _keep(state, OBJECTS, tokens, e.handle, e.nbytes, False, None, protected=False, notify=False)
+    return _keep(state, OBJECTS, tokens, e.handle, e.nbytes, e.file_bytes, False, None, protected=False,
+                 notify=False)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -591,35 +602,64 @@ def _checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
         raise TokensDoNotMatchCaches(
             f"checkpoint tokens ({len(e.tokens)}) must be the prompt ({len(prompt)}) plus the "
             f"{e.generated_tokens} generated tokens, and the caches must cover them (they cover {e.covered})")
+    _check_sizes(e.nbytes, e.file_bytes)
     key = lease.checkpoint_key
     record = state.checkpoints.get(key) or CheckpointRecord(lease.namespace)
     if state.pending_write_bytes + e.nbytes > state.config.write_queue_bytes:
         return Step(_count(state, dropped_writes=1), (fx.DropPublished(e.handle),), False)
+    out: list = []
+    room = _make_disk_room(state, e.file_bytes, out)  # the new file sits beside the old until it replaces it
+    if room is None:
+        return Step(_count(state, dropped_writes=1), (fx.DropPublished(e.handle),), False)
+    meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token)
+    record = attrs.evolve(record, pending=record.pending + 1, pending_bytes=record.pending_bytes + e.nbytes,
+                          pending_file_bytes=record.pending_file_bytes + e.file_bytes)
+    state = attrs.evolve(room, checkpoints=room.checkpoints.set(key, record),
+                         pending_writes=room.pending_writes + 1,
+                         pending_write_bytes=room.pending_write_bytes + e.nbytes,
+                         disk_bytes=room.disk_bytes + e.file_bytes)
+    out.append(fx.WriteCheckpoint(e.handle, meta, e.tokens, e.nbytes, e.file_bytes))
+    return Step(state, tuple(out), True)
+
+
+def checkpoint_meta(lease: Lease, generated_tokens: int, pending_token: int | None) -> fx.CheckpointMeta:
+    """What the checkpoint file of acquired ``lease`` records beside its caches."""
     continuation = lease.request.continuation
-    meta = fx.CheckpointMeta(key, lease.namespace, len(prompt), e.generated_tokens, e.pending_token,
-                             continuation.seed, continuation.seed_was_explicit)
-    record = attrs.evolve(record, pending=record.pending + 1, pending_bytes=record.pending_bytes + e.nbytes)
-    state = attrs.evolve(state, checkpoints=state.checkpoints.set(key, record),
-                         pending_writes=state.pending_writes + 1,
-                         pending_write_bytes=state.pending_write_bytes + e.nbytes)
-    return Step(state, (fx.WriteCheckpoint(e.handle, meta, e.tokens, e.nbytes),), True)
+    return fx.CheckpointMeta(lease.checkpoint_key, lease.namespace, len(lease.request.prompt), generated_tokens,
+                             pending_token, continuation.seed, continuation.seed_was_explicit)
 
 
-def _checkpoint_settled(state: ServiceState, key: str, tokens: int | None) -> ServiceState:
-    """A checkpoint write of ``key`` finished (``tokens`` durable) or failed (None)."""
+def _checkpoint_settled(state: ServiceState, key: str, tokens: int | None, file_bytes: int = 0) -> ServiceState:
+    """A checkpoint write of ``key`` finished (``tokens`` durable in a file of ``file_bytes``, which
+    replaced the one before) or failed (None)."""
     record = state.checkpoints.get(key)
     if record is None or record.pending == 0:
         return state
     share = record.pending_bytes // record.pending
+    reserved = record.pending_file_bytes // record.pending
+    disk_bytes = state.disk_bytes - reserved
+    if tokens is not None:
+        disk_bytes += file_bytes - record.file_bytes
     record = attrs.evolve(record, pending=record.pending - 1, pending_bytes=record.pending_bytes - share,
-                          durable_tokens=max(record.durable_tokens, tokens or 0))
+                          pending_file_bytes=record.pending_file_bytes - reserved,
+                          durable_tokens=max(record.durable_tokens, tokens or 0),
+                          file_bytes=file_bytes if tokens is not None else record.file_bytes)
     return attrs.evolve(state, checkpoints=state.checkpoints.set(key, record),
                         pending_writes=state.pending_writes - 1,
-                        pending_write_bytes=state.pending_write_bytes - share)
+                        pending_write_bytes=state.pending_write_bytes - share, disk_bytes=disk_bytes)
+
+
+def _forget_checkpoint(state: ServiceState, key: str) -> ServiceState:
+    """Drop the record of ``key`` (its files are being deleted): its writes and bytes go with it."""
+    record = state.checkpoints[key]
+    return attrs.evolve(state, checkpoints=state.checkpoints.delete(key),
+                        pending_writes=state.pending_writes - record.pending,
+                        pending_write_bytes=state.pending_write_bytes - record.pending_bytes,
+                        disk_bytes=state.disk_bytes - record.file_bytes - record.pending_file_bytes)
 
 
 def _checkpoint_written(state: ServiceState, e: done.CheckpointWritten) -> Step:
-    return Step(_count(_checkpoint_settled(state, e.key, e.tokens), checkpoints_written=1), (), None)
+    return Step(_count(_checkpoint_settled(state, e.key, e.tokens, e.file_bytes), checkpoints_written=1), (), None)
 
 
 def _checkpoint_failed(state: ServiceState, e: done.CheckpointFailed) -> Step:
@@ -643,10 +683,7 @@ def _release(state: ServiceState, e: ev.Release) -> Step:
     key = lease.checkpoint_key
     if e.completed and key is not None and key in state.checkpoints:
         out.append(fx.DeleteCheckpoint(key))
-        record = state.checkpoints[key]
-        state = attrs.evolve(state, checkpoints=state.checkpoints.delete(key),
-                             pending_writes=state.pending_writes - record.pending,
-                             pending_write_bytes=state.pending_write_bytes - record.pending_bytes)
+        state = _forget_checkpoint(state, key)
     return Step(state, tuple(out), None)
 
 
@@ -769,10 +806,12 @@ def _flush_result(state: ServiceState) -> FlushResult:
 
 
 def _spill_all(state: ServiceState, out: list) -> ServiceState:
+    """Write every RAM-only entry that fits beside what is saved. A flush never trades a durable file
+    for another: that would undo what an earlier flush reported durable, and wear the disk for nothing."""
     for entry in list(state.entries.values()):
         current = state.entries.get(entry.id)
         if current is not None and current.residence is R.RAM:
-            state = _start_spill(state, current, out, bounded=False)
+            state = _start_spill(state, current, out, bounded=False, evict=False)
     return state
 
 
@@ -831,22 +870,29 @@ def _scanned(state: ServiceState, e: ev.Scanned) -> Step:
     capacity = state.config.disk_capacity_bytes
     if capacity is None:
         return Step(state, (), None)
+    # Checkpoints first: they hold generations in progress. What does not fit the budget is deleted.
+    for saved in e.checkpoints:
+        if saved.meta.key in state.checkpoints:
+            continue
+        if state.disk_bytes + saved.file_bytes > capacity:
+            out.append(fx.DeleteCheckpoint(saved.meta.key))
+            continue
+        record = CheckpointRecord(saved.meta.namespace, durable_tokens=saved.tokens, file_bytes=saved.file_bytes)
+        state = attrs.evolve(state, checkpoints=state.checkpoints.set(saved.meta.key, record),
+                             disk_bytes=state.disk_bytes + saved.file_bytes)
     for record in e.records:
         namespace = record.namespace if record.namespace == OBJECTS else check_namespace(record.namespace)
         if state.disk.exact(namespace, record.tokens) is not None:
             continue
-        if state.disk_bytes + record.nbytes > capacity:
+        if state.disk_bytes + record.file_bytes > capacity:
             out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
             continue
         entry = Entry(state.next_entry, namespace, record.tokens, record.nbytes, record.trimmable, R.DISK,
-                      state.now, None, False, content_tag(namespace, record.tokens))
+                      state.now, None, False, content_tag(namespace, record.tokens), file_bytes=record.file_bytes)
         state = attrs.evolve(_set_entry(state, entry), next_entry=entry.id + 1,
-                             disk_bytes=state.disk_bytes + entry.nbytes)
+                             disk_bytes=state.disk_bytes + entry.file_bytes)
         state = _insert_disk(state, entry)
     state = _count(state, rejected_files=e.rejected)
-    for meta, tokens in e.checkpoints:
-        record = CheckpointRecord(meta.namespace, durable_tokens=tokens)
-        state = attrs.evolve(state, checkpoints=state.checkpoints.set(meta.key, record))
     return Step(state, tuple(out), None)
 
 

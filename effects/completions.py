@@ -81,10 +81,11 @@ class PrefetchFailed(Completion):
 
 @attrs.frozen
 class CheckpointWritten(Completion):
-    """The checkpoint of ``key`` covering ``tokens`` tokens is durable."""
+    """The checkpoint of ``key`` covering ``tokens`` tokens is durable, in a file of ``file_bytes``."""
 
     key: str
     tokens: int
+    file_bytes: int
 
 
 @attrs.frozen

@@ -79,12 +79,14 @@ class DropEntry(Effect):
 
 @attrs.frozen
 class SpillEntry(Effect):
-    """Write RAM ``entry`` to saved state under ``key`` (``nbytes``); completes, possibly later."""
+    """Write RAM ``entry`` to saved state under ``key`` (``nbytes`` in RAM, a file of ``file_bytes``);
+    completes, possibly later."""
 
     entry: int
     key: DiskKey
     nbytes: int
     trimmable: bool
+    file_bytes: int
 
 
 @attrs.frozen
@@ -127,6 +129,7 @@ class WriteCheckpoint(Effect):
     meta: CheckpointMeta
     tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     nbytes: int
+    file_bytes: int
 
 
 @attrs.frozen

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstate.core.errors import StorageError
-from kvstate.core.events import SavedRecord
+from kvstate.core.events import SavedCheckpoint, SavedRecord
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason
 from kvstate.effects.effects import CheckpointMeta, DiskKey
@@ -101,6 +101,29 @@ def _header_digest(metadata: dict[str, str], tensors: dict[str, Any]) -> str:
     table = {name: info for name, info in tensors.items() if name != "__metadata__"}
     canonical = json.dumps({"metadata": metadata, "tensors": table}, sort_keys=True, separators=(",", ":"))
     return _digest(canonical.encode())
+
+
+_PLACEHOLDER_DIGEST = "0" * 32  # every digest is 32 hex digits: a header's size does not depend on them
+
+
+def _header(metadata: dict[str, str], described: dict[str, tuple[str, list[int]]], sizes: list[int],
+            hashes: dict[str, str] | None) -> bytes:
+    """The safetensors header (length, JSON, padding) of a file of these tensors; with ``hashes`` None,
+    one of the same size (digests are all one length), to measure a file before it is hashed."""
+    table: dict[str, Any] = {}
+    offset = 0
+    for (name, (dtype, shape)), size in zip(described.items(), sizes):
+        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    measuring = hashes is None
+    if measuring:
+        hashes = dict.fromkeys(described, _PLACEHOLDER_DIGEST)
+    metadata = {**metadata, "kvstate.hashes": json.dumps(hashes)}
+    digest = _PLACEHOLDER_DIGEST if measuring else _header_digest(metadata, table)
+    table["__metadata__"] = {**metadata, "kvstate.header_hash": digest}
+    encoded = json.dumps(table, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
 def write_durably(path: Path, chunks: list) -> None:
@@ -201,6 +224,8 @@ class EncodedFile:
     metadata: dict[str, str]
     described: dict[str, tuple[str, list[int]]]
     views: dict[str, mx.array]
+    #: The bytes the file will take, header included.
+    file_bytes: int
 
     @property
     def nbytes(self) -> int:
@@ -218,6 +243,8 @@ class SavedFile:
     nbytes: int
     trimmable: bool
     checkpoint: CheckpointMeta | None
+    #: The bytes the file takes, as the file system counts its size.
+    file_bytes: int
 
 
 class DiskStore:
@@ -261,30 +288,61 @@ class DiskStore:
 
     def encode_prefix(self, key: DiskKey, caches: list, trimmable: bool, nbytes: int) -> "EncodedFile":
         """The file for a prefix, ready to commit (mlx work happens here, on the caller's thread)."""
-        return self._encode(self.prefix_path(key), "prefix", key.namespace, key.tokens, caches,
-                            {"kvstate.trimmable": json.dumps(trimmable), "kvstate.nbytes": str(nbytes)})
+        return self._encode(self.prefix_path(key), *self._prefix_fields(key, trimmable, nbytes), caches)
 
     def encode_checkpoint(self, meta: CheckpointMeta, tokens: tuple[int, ...], caches: list) -> "EncodedFile":
-        return self._encode(self.checkpoint_path(meta.key), "checkpoint", meta.namespace, tokens, caches,
-                            {"kvstate.checkpoint": json.dumps(attrs.asdict(meta)), "kvstate.trimmable": "false",
-                             "kvstate.nbytes": "0"})
+        return self._encode(self.checkpoint_path(meta.key), *self._checkpoint_fields(meta, tokens), caches)
 
-    def _encode(self, path: Path, kind: str, namespace: str, tokens: tuple[int, ...], caches: list,
-                extra: dict[str, str]) -> "EncodedFile":
+    def prefix_file_bytes(self, key: DiskKey, caches: list, trimmable: bool, nbytes: int) -> int:
+        """The exact bytes the file of this prefix will take, header included; nothing is evaluated."""
+        return self._file_bytes(*self._prefix_fields(key, trimmable, nbytes), caches)
+
+    def checkpoint_file_bytes(self, meta: CheckpointMeta, tokens: tuple[int, ...], caches: list) -> int:
+        """The exact bytes the file of this checkpoint will take, header included."""
+        return self._file_bytes(*self._checkpoint_fields(meta, tokens), caches)
+
+    @staticmethod
+    def _prefix_fields(key: DiskKey, trimmable: bool, nbytes: int) -> tuple:
+        return ("prefix", key.namespace, key.tokens,
+                {"kvstate.trimmable": json.dumps(trimmable), "kvstate.nbytes": str(nbytes)})
+
+    @staticmethod
+    def _checkpoint_fields(meta: CheckpointMeta, tokens: tuple[int, ...]) -> tuple:
+        return ("checkpoint", meta.namespace, tokens,
+                {"kvstate.checkpoint": json.dumps(attrs.asdict(meta)), "kvstate.trimmable": "false",
+                 "kvstate.nbytes": "0"})
+
+    def _layout(self, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
+                caches: list) -> tuple[dict[str, str], dict[str, mx.array]]:
+        """The file's metadata (hashes aside) and its tensors, as lazy arrays."""
         tensors: dict[str, mx.array] = {}
         layers = []
         for i, cache in enumerate(caches):
             arrays, meta = codec_of(cache).save(cache)
             tensors.update({f"{i}.{name}": a for name, a in arrays.items()})
             layers.append({"class": type(cache).__name__, **meta})
-        views = {name: mx.view(mx.contiguous(a), mx.uint8) for name, a in tensors.items()}
-        mx.eval(list(views.values()))  # the only mlx work; copying to the host and hashing happen at commit
-        described = {name: (_SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
         metadata = {
             "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(), "kvstate.kind": kind,
             "kvstate.namespace": namespace, "kvstate.tokens": json.dumps(list(tokens)),
             "kvstate.layers": json.dumps(layers), **extra}
-        return EncodedFile(path, metadata, described, views)
+        return metadata, tensors
+
+    def _file_bytes(self, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
+                    caches: list) -> int:
+        metadata, tensors = self._layout(kind, namespace, tokens, extra, caches)
+        described = {name: (_SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
+        sizes = [a.nbytes for a in tensors.values()]
+        return len(_header(metadata, described, sizes, None)) + sum(sizes)
+
+    def _encode(self, path: Path, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
+                caches: list) -> "EncodedFile":
+        metadata, tensors = self._layout(kind, namespace, tokens, extra, caches)
+        views = {name: mx.view(mx.contiguous(a), mx.uint8) for name, a in tensors.items()}
+        mx.eval(list(views.values()))  # the only mlx work; copying to the host and hashing happen at commit
+        described = {name: (_SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
+        sizes = [v.nbytes for v in views.values()]
+        file_bytes = len(_header(metadata, described, sizes, None)) + sum(sizes)
+        return EncodedFile(path, metadata, described, views, file_bytes)
 
     def commit(self, file: "EncodedFile") -> None:
         """Write ``file`` atomically (temp file, fsync, rename, fsync of the directory); plain file I/O only.
@@ -294,17 +352,12 @@ class DiskStore:
         temp = file.path.with_name(f".{file.path.stem}.tmp-{os.getpid()}-{threading.get_ident()}{SUFFIX}")
         buffers = [np.asarray(view).reshape(-1) for view in file.views.values()]  # device to host, if it must
         hashes = dict(zip(file.views, _hash_all(buffers)))
-        header: dict[str, Any] = {}
-        offset = 0
-        for (name, (dtype, shape)), raw in zip(file.described.items(), buffers):
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
-            offset += raw.nbytes
-        metadata = {**file.metadata, "kvstate.hashes": json.dumps(hashes)}
-        header["__metadata__"] = {**metadata, "kvstate.header_hash": _header_digest(metadata, header)}
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+        head = _header(file.metadata, file.described, [raw.nbytes for raw in buffers], hashes)
+        if len(head) + sum(raw.nbytes for raw in buffers) != file.file_bytes:
+            raise WriteFailed(FailureReason.IO_ERROR, f"{file.path.name}: encoded to another size than measured "
+                                                      f"({file.file_bytes} bytes); its caches changed meanwhile")
         try:
-            self.write_file(temp, [struct.pack("<Q", len(encoded)) + encoded, *buffers])
+            self.write_file(temp, [head, *buffers])
             os.replace(temp, file.path)
             directory = os.open(self.directory, os.O_RDONLY)
             try:
@@ -371,7 +424,7 @@ class DiskStore:
                 checkpoint = CheckpointMeta(**json.loads(metadata["kvstate.checkpoint"]))
             described = SavedFile(path, metadata["kvstate.kind"], metadata["kvstate.namespace"], tokens,
                                   int(metadata["kvstate.nbytes"]), json.loads(metadata["kvstate.trimmable"]) is True,
-                                  checkpoint)
+                                  checkpoint, os.fstat(file.fileno()).st_size)
             json.loads(metadata["kvstate.layers"])
             hashes = json.loads(metadata["kvstate.hashes"])
         except (KeyError, TypeError, ValueError) as error:
@@ -492,7 +545,7 @@ class DiskStore:
 
     # ------------------------------------------------------------ scan
 
-    def scan(self) -> tuple[list[SavedRecord], list[tuple[CheckpointMeta, int]], int]:
+    def scan(self) -> tuple[list[SavedRecord], list[SavedCheckpoint], int]:
         """Prefix records and checkpoints from headers alone; bad files moved aside and counted.
 
         A file deleted since the listing is skipped; a file replaced since is
@@ -518,10 +571,10 @@ class DiskStore:
             if described is None:
                 continue
             if described.kind == "checkpoint" and described.checkpoint is not None:
-                checkpoints.append((described.checkpoint, len(described.tokens)))
+                checkpoints.append(SavedCheckpoint(described.checkpoint, len(described.tokens), described.file_bytes))
             elif described.kind == "prefix":
                 records.append(SavedRecord(described.namespace, described.tokens, described.nbytes,
-                                           described.trimmable))
+                                           described.trimmable, described.file_bytes))
         return records, checkpoints, rejected
 
     def _scanned(self, path: Path) -> SavedFile | None:

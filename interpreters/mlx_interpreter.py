@@ -27,7 +27,7 @@ from kvstate.effects import effects as fx
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.disk_store import DiskStore, RejectedFile, WriteFailed
 from kvstate.interpreters.held import HeldState, InterpreterError
-from kvstate.interpreters.simulator import CacheFacts
+from kvstate.interpreters.base import CacheFacts
 
 
 class _Writer:
@@ -127,6 +127,18 @@ class MlxInterpreter(HeldState):
         self._handles[handle] = caches
         return facts
 
+    def file_bytes(self, handle: int, key: fx.DiskKey, facts: CacheFacts) -> int:
+        """The bytes the file of the caches staged under ``handle`` would take (0 without a disk store)."""
+        if self.store is None:
+            return 0
+        return self.store.prefix_file_bytes(key, self._handles[handle], facts.trimmable, facts.nbytes)
+
+    def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
+        """The bytes the checkpoint file of the caches staged under ``handle`` would take."""
+        if self.store is None:
+            return 0
+        return self.store.checkpoint_file_bytes(meta, tokens, self._handles[handle])
+
     def stage_object(self, handle: int, arrays: object) -> int:
         """Hold a tensor object (a dict of arrays) under ``handle``; its bytes."""
         payload = [mlx_caches.TensorObject(arrays)]
@@ -213,6 +225,8 @@ class MlxInterpreter(HeldState):
     def _spill_entry(self, e: fx.SpillEntry) -> list:
         store = self._store()
         encoded = store.encode_prefix(e.key, self._ram[e.entry], e.trimmable, e.nbytes)
+        if encoded.file_bytes != e.file_bytes:  # the caches changed since they were measured: not written
+            return [done.SpillFailed(e.entry, done.FailureReason.NO_SPACE)]
         return self._write(lambda: store.commit(encoded), done.SpillDone(e.entry),
                            lambda reason: done.SpillFailed(e.entry, reason))
 
@@ -252,7 +266,10 @@ class MlxInterpreter(HeldState):
     def _write_checkpoint(self, e: fx.WriteCheckpoint) -> list:
         store = self._store()
         encoded = store.encode_checkpoint(e.meta, e.tokens, self._handles.pop(e.handle))
-        return self._write(lambda: store.commit(encoded), done.CheckpointWritten(e.meta.key, len(e.tokens)),
+        if encoded.file_bytes != e.file_bytes:
+            return [done.CheckpointFailed(e.meta.key, done.FailureReason.NO_SPACE)]
+        return self._write(lambda: store.commit(encoded),
+                           done.CheckpointWritten(e.meta.key, len(e.tokens), encoded.file_bytes),
                            lambda reason: done.CheckpointFailed(e.meta.key, reason))
 
     def _delete_checkpoint(self, e: fx.DeleteCheckpoint) -> list:

@@ -23,9 +23,12 @@ from kvstate.core.errors import UnknownRequest
 from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, NotKept, NotKeptReason, ObjectFound, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
-from kvstate.core.state import InvalidConfig, ServiceConfig, ServiceState, check_namespace, initial_state, request_check
-from kvstate.core.transitions import optional_bytes, step
-from kvstate.effects.effects import CheckpointMeta
+from kvstate.core.state import (
+    OBJECTS, InvalidConfig, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
+)
+from kvstate.core.transitions import checkpoint_meta, optional_bytes, step
+from kvstate.effects.effects import CheckpointMeta, DiskKey
+from kvstate.interpreters.base import CacheFacts
 from kvstate.models.catalogue import model_spec
 from kvstate.models.spec import ModelSpec
 
@@ -64,7 +67,8 @@ class ObjectCache:
             handle = next(service._handles)
             nbytes = service._interpreter.stage_object(handle, value)
             try:
-                return isinstance(service._run(ev.ObjectPut(key, handle, nbytes)), Kept)
+                file_bytes = service._file_bytes(handle, OBJECTS, object_tokens(key), CacheFacts(None, nbytes, False))
+                return isinstance(service._run(ev.ObjectPut(key, handle, nbytes, file_bytes)), Kept)
             except BaseException:
                 service._interpreter.unstage(handle)
                 raise
@@ -249,7 +253,9 @@ class KvCacheService:
             facts = self._interpreter.stage(handle, caches)
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered  # recurrent state knows no length
-                event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable)
+                file_bytes = self._file_bytes(handle, namespace, tokens, facts)
+                event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable,
+                                   file_bytes)
                 if self._state.pending_writes and self._refused_for_room(event):
                     # Backpressure: RAM is full of entries pinned by writes in flight; wait for them first.
                     self._run(ev.Settle())
@@ -257,6 +263,12 @@ class KvCacheService:
             except BaseException:
                 self._interpreter.unstage(handle)
                 raise
+
+    def _file_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...], facts: CacheFacts) -> int:
+        """What the file of the staged caches would take on disk: the disk tier's unit (0 without one)."""
+        if not self._state.config.has_disk:
+            return 0
+        return self._interpreter.file_bytes(handle, DiskKey(namespace, tokens), facts)
 
     def _refused_for_room(self, event: ev.Publish) -> bool:
         """Would the core refuse ``event`` for want of room? A pure look at the decision; nothing happens."""
@@ -283,8 +295,14 @@ class KvCacheService:
             facts = self._interpreter.stage(handle, caches)
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered
+                file_bytes = 0
+                held = self._state.leases.get(lease)
+                if self._state.config.checkpoints and held is not None and held.acquired \
+                        and held.request.continuation is not None and isinstance(generated_tokens, int):
+                    meta = checkpoint_meta(held, generated_tokens, pending_token)
+                    file_bytes = self._interpreter.checkpoint_file_bytes(handle, meta, tokens)
                 return self._run(ev.Checkpoint(lease, handle, tokens, covered, generated_tokens,
-                                               pending_token, facts.nbytes))
+                                               pending_token, facts.nbytes, file_bytes))
             except BaseException:
                 self._interpreter.unstage(handle)
                 raise

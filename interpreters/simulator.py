@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 import attrs
 
 from kvstate.core.errors import InvalidRequest, KvStateError
-from kvstate.core.events import SavedRecord, Scanned
+from kvstate.core.events import SavedCheckpoint, SavedRecord, Scanned
+from kvstate.interpreters.base import CacheFacts
 from kvstate.interpreters.held import HeldState, InterpreterError
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
@@ -67,12 +68,15 @@ class SimObject:
 
 
 @attrs.frozen
-class CacheFacts:
-    """What an interpreter measures of caches a caller hands in (``covered`` None: the caches cannot tell)."""
+class FileModel:
+    """The bytes a simulated saved file takes: its state's bytes plus a header of ``header_bytes`` and
+    ``header_bytes_per_token`` for each token it covers (a real header lists them)."""
 
-    covered: int | None
-    nbytes: int
-    trimmable: bool
+    header_bytes: int = 0
+    header_bytes_per_token: int = 0
+
+    def file_bytes(self, nbytes: int, tokens: int) -> int:
+        return nbytes + self.header_bytes + self.header_bytes_per_token * tokens
 
 
 @attrs.frozen
@@ -96,6 +100,17 @@ class SimFile:
     content: tuple[int, ...] = attrs.field(repr=False)
     corrupt: bool = False
     payload: SimObject | None = attrs.field(default=None, repr=False)
+    file_bytes: int = 0
+
+
+@attrs.frozen
+class SimCheckpoint:
+    """One generation checkpoint on the simulated disk."""
+
+    meta: fx.CheckpointMeta
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    identity: str
+    file_bytes: int
 
 
 @attrs.define
@@ -103,8 +118,13 @@ class SimDisk:
     """The simulated disk: saved prefixes, checkpoints, and files moved aside as rejected."""
 
     files: dict[fx.DiskKey, SimFile] = attrs.Factory(dict)
-    checkpoints: dict[str, tuple[fx.CheckpointMeta, tuple[int, ...], str]] = attrs.Factory(dict)
+    checkpoints: dict[str, SimCheckpoint] = attrs.Factory(dict)
     rejected: list[tuple[fx.DiskKey | str, Reason]] = attrs.Factory(list)
+
+    def used_bytes(self) -> int:
+        """The bytes every file on it takes (prefixes, objects and checkpoints), rejected ones aside."""
+        return (sum(f.file_bytes for f in self.files.values())
+                + sum(c.file_bytes for c in self.checkpoints.values()))
 
     def corrupt(self, key: fx.DiskKey) -> None:
         """Flip bits in a saved file: its next read fails its content hash."""
@@ -138,8 +158,10 @@ class SimulatorInterpreter(HeldState):
     """Carries out effects in memory; the service facade drives it."""
 
     def __init__(self, model: ModelSpec, *, identity: str = "sim", cost: CostModel | None = None,
-                 disk: SimDisk | None = None, faults: FaultPlan | None = None, deferred_writes: bool = False):
+                 disk: SimDisk | None = None, faults: FaultPlan | None = None, deferred_writes: bool = False,
+                 files: FileModel | None = None):
         self.model = model
+        self.files = files or FileModel()
         self.identity = identity
         self.cost = cost or CostModel()
         self.disk = disk if disk is not None else SimDisk()
@@ -179,6 +201,13 @@ class SimulatorInterpreter(HeldState):
         self._handles[handle] = caches
         return CacheFacts(len(caches.tokens), caches.nbytes, caches.trimmable)
 
+    def file_bytes(self, handle: int, key: fx.DiskKey, facts: CacheFacts) -> int:
+        """The bytes the file of the state staged under ``handle`` would take."""
+        return self.files.file_bytes(facts.nbytes, len(key.tokens))
+
+    def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
+        return self.files.file_bytes(self._handles[handle].nbytes, len(tokens))
+
     def stage_object(self, handle: int, obj: object) -> int:
         """Hold a tensor object under ``handle``; its bytes."""
         if not isinstance(obj, SimObject) or not isinstance(obj.nbytes, int) or obj.nbytes < 0:
@@ -202,9 +231,9 @@ class SimulatorInterpreter(HeldState):
                 self._move_aside(key, Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT)
                 rejected += 1
                 continue
-            records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable))
-        checkpoints = tuple((meta, len(tokens)) for meta, tokens, identity in self.disk.checkpoints.values()
-                            if identity == self.identity)
+            records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable, file.file_bytes))
+        checkpoints = tuple(SavedCheckpoint(c.meta, len(c.tokens), c.file_bytes)
+                            for c in self.disk.checkpoints.values() if c.identity == self.identity)
         return Scanned(tuple(records), checkpoints, rejected)
 
     def perform(self, effect: fx.Effect) -> list:
@@ -273,16 +302,16 @@ class SimulatorInterpreter(HeldState):
             reason = self.faults.fail_reason
             return (done.SpillFailed(e.entry, reason) if isinstance(e, fx.SpillEntry)
                     else done.CheckpointFailed(e.meta.key, reason))
-        self.stats.bytes_written += e.nbytes
-        self.stats.write_seconds += e.nbytes / self.cost.write_bytes_per_second
+        self.stats.bytes_written += e.file_bytes
+        self.stats.write_seconds += e.file_bytes / self.cost.write_bytes_per_second
         if isinstance(e, fx.SpillEntry):
             is_object = isinstance(caches, SimObject)
             self.disk.files[e.key] = SimFile(self.identity, e.key.namespace, e.key.tokens, e.nbytes, e.trimmable,
                                              e.key.tokens if is_object else caches.tokens,
-                                             payload=caches if is_object else None)
+                                             payload=caches if is_object else None, file_bytes=e.file_bytes)
             return done.SpillDone(e.entry)
-        self.disk.checkpoints[e.meta.key] = (e.meta, caches.tokens, self.identity)
-        return done.CheckpointWritten(e.meta.key, len(caches.tokens))
+        self.disk.checkpoints[e.meta.key] = SimCheckpoint(e.meta, caches.tokens, self.identity, e.file_bytes)
+        return done.CheckpointWritten(e.meta.key, len(caches.tokens), e.file_bytes)
 
     def _read(self, key: fx.DiskKey) -> SimFile | Reason:
         file = self.disk.files.get(key)
@@ -292,8 +321,8 @@ class SimulatorInterpreter(HeldState):
             reason = Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT
             self._move_aside(key, reason)
             return reason
-        self.stats.bytes_read += file.nbytes
-        self.stats.restore_seconds += file.nbytes / self.cost.restore_bytes_per_second
+        self.stats.bytes_read += file.file_bytes
+        self.stats.restore_seconds += file.file_bytes / self.cost.restore_bytes_per_second
         return file
 
     def _move_aside(self, key: fx.DiskKey, reason: Reason) -> None:
@@ -326,11 +355,10 @@ class SimulatorInterpreter(HeldState):
 
     def _resume_checkpoint(self, e: fx.ResumeCheckpoint) -> list:
         saved = self.disk.checkpoints.get(e.key)
-        if saved is None or saved[2] != self.identity:
+        if saved is None or saved.identity != self.identity:
             return [done.ResumeFailed(e.key, e.handle, Reason.MISSING)]
-        meta, tokens, _ = saved
-        self._handles[e.handle] = SimCaches(tokens, self.model)
-        return [done.CheckpointResumed(e.handle, meta, tuple(tokens))]
+        self._handles[e.handle] = SimCaches(saved.tokens, self.model)
+        return [done.CheckpointResumed(e.handle, saved.meta, tuple(saved.tokens))]
 
     def _sync(self, e: fx.Sync) -> list:
         return self.poll() + [done.Synced()]

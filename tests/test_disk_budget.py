@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from kvstate.core.state import ON_DISK
 from kvstate.effects import DiskKey
 from kvstate.interpreters.disk_budget import LIVE, ROOT_LOCK, RootBudget, directory_bytes
 from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
@@ -106,3 +107,66 @@ def test_a_failed_start_leaves_no_live_lock_behind(tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # idle: nobody holds it any more
     finally:
         os.close(lock)
+
+
+# ---------------------------------------------------------------- one unit: the bytes a file takes
+
+
+def directory_files_bytes(directory):
+    """Every file in a store's directory, temp files included, as the file system counts their sizes."""
+    return sum(e.stat().st_size for e in os.scandir(directory) if e.is_file() and e.name.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize(("prompt_tokens", "limit"), [(4, 16_384), (100, 262_144)])
+def test_what_flush_called_durable_survives_close_and_restart_under_one_budget(tmp_path, prompt_tokens, limit):
+    """Eight prompts, more than fit, with the service's disk budget and the root budget both ``limit``:
+    the service charges each file its real size (header included), so what it holds durable after a
+    flush fits the root too, and close's reclaim deletes none of it."""
+    from kvstate import KvCacheService, Request
+    from kvstate.models.reference import build
+
+    model, config = build("llama", seed=71)
+
+    def service():
+        return KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, disk_dir=str(tmp_path),
+                                      disk_bytes=limit, root_budget=RootBudget(tmp_path, limit))
+    first = service()
+    prompts = [tuple((7 * n + i) % 255 + 1 for i in range(prompt_tokens)) for n in range(8)]  # ids < vocab
+    for prompt in prompts:
+        state = first.acquire(request := Request(prompt, 2), "n")
+        model(mx.array([list(prompt)]), cache=state.caches)
+        first.publish(request, "n", prompt, state.caches)
+        first.release(request)
+    first.flush()
+    report = first.report()
+    directory = first.interpreter.store.directory
+    assert report.disk_bytes == report.saved_bytes == directory_files_bytes(directory) <= limit
+    durable = {(e.namespace, e.tokens) for e in first.state.entries.values() if e.residence in ON_DISK}
+    assert 0 < len(durable) == report.saved_entries < len(prompts)  # the budget holds some, not all
+    assert set(first.saved_prefixes()) == durable
+    first.close()
+    assert directory_files_bytes(directory) <= limit
+    second = service()
+    assert set(second.saved_prefixes()) == durable  # nothing reported durable was deleted
+    assert second.report().saved_entries == len(durable)
+    second.close()
+
+
+def test_checkpoint_files_count_against_the_disk_budget(tmp_path):
+    from kvstate import Continuation, KvCacheService, Request
+    from kvstate.models.reference import build
+
+    model, config = build("llama", seed=72)
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, disk_dir=str(tmp_path),
+                                     disk_bytes=1 << 20, checkpoint_every_tokens=1, background_writes=False)
+    prompt = tuple(range(1, 21))
+    request = Request(prompt, 8, continuation=Continuation("g", seed=1))
+    state = service.acquire(request, "n")
+    model(mx.array([list(prompt)]), cache=state.caches)
+    assert service.checkpoint(request, state.caches, prompt, 0)
+    report = service.report()
+    directory = service.interpreter.store.directory
+    assert report.checkpoint_bytes == report.disk_bytes == directory_files_bytes(directory) > 0
+    service.release(request, completed=True)
+    assert service.report().disk_bytes == directory_files_bytes(directory) == 0
+    service.close()

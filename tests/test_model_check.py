@@ -30,7 +30,7 @@ from kvstate import (
 )
 from kvstate.core.state import IN_RAM, OBJECTS, ON_DISK, Residence
 from kvstate.effects import DiskKey
-from kvstate.interpreters.simulator import FaultPlan, SimDisk
+from kvstate.interpreters.simulator import FaultPlan, FileModel, SimDisk
 from tests.reference import NaiveFifoPrefixCache, attention_bytes, longest_usable, usable
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 4
@@ -212,9 +212,10 @@ class BaseMachine(RuleBasedStateMachine):
         entries = state.entries.values()
         assert state.ram_bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM)
         spilling = [e for e in entries if e.residence is Residence.SPILLING]
-        # a write in flight has its disk bytes reserved from the start
-        assert state.disk_bytes == sum(e.nbytes for e in entries
-                                       if e.residence in ON_DISK or e.residence is Residence.SPILLING)
+        # the disk tier charges file bytes; a write in flight has its file's bytes reserved from the start
+        assert state.disk_bytes == (sum(e.file_bytes for e in entries
+                                        if e.residence in ON_DISK or e.residence is Residence.SPILLING)
+                                    + sum(r.file_bytes + r.pending_file_bytes for r in state.checkpoints.values()))
         assert state.pending_writes == len(spilling) + sum(r.pending for r in state.checkpoints.values())
         assert state.pending_write_bytes == (sum(e.nbytes for e in spilling)
                                              + sum(r.pending_bytes for r in state.checkpoints.values()))
@@ -330,13 +331,19 @@ class TieredServiceMachine(BaseMachine):
         self.faults = FaultPlan()
         self.sessions: dict = {}
 
-    @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans())
-    def build(self, policy, hybrid):
+    @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans(),
+                header=st.sampled_from([0, 64, 700]), per_token=st.sampled_from([0, 8]))
+    def build(self, policy, hybrid, header, per_token):
         self.spec = HYBRID if hybrid else TRIMMABLE
         self.policy = policy
-        self.service = self.make_service(
-            policy=policy, disk_bytes=DISK, demote_idle_after=5.0, write_queue_bytes=RAM // 2,
-            interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True})
+        self.files = FileModel(header, per_token)  # files larger than their state, as real headers make them
+        self.service = self.restarted()
+
+    def restarted(self):
+        return self.make_service(
+            policy=self.policy, disk_bytes=DISK, demote_idle_after=5.0, write_queue_bytes=RAM // 2,
+            interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
+                                 "files": self.files})
 
     def held_listing(self):
         state = self.service.state
@@ -399,9 +406,7 @@ class TieredServiceMachine(BaseMachine):
                 file = self.disk.files[DiskKey(ns, tokens)]
                 assert file.content == tokens
         # The process dies here: a fresh service finds every kept prefix on disk (invariant 5).
-        self.service = self.make_service(
-            policy=self.policy, disk_bytes=DISK, demote_idle_after=5.0, write_queue_bytes=RAM // 2,
-            interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True})
+        self.service = self.restarted()
         found = {(ns, t) for ns, t, _, _ in self.service.state.disk.items()}
         rotten = {(k.namespace, k.tokens) for k, _ in self.disk.rejected}
         assert set(kept) - rotten <= found
@@ -421,8 +426,9 @@ class TieredServiceMachine(BaseMachine):
     @invariant()
     def disk_within_capacity_and_holds_only_what_was_published(self):
         state = self.service.state
-        assert state.disk_bytes <= DISK
+        assert self.disk.used_bytes() <= state.disk_bytes <= DISK  # what the disk holds, as it counts it
         for file in self.disk.files.values():
+            assert file.file_bytes == self.files.file_bytes(file.nbytes, len(file.tokens))
             assert (file.namespace, file.tokens) in self.published
             assert file.content == file.tokens
 

@@ -134,13 +134,13 @@ class CheckpointMachine(RuleBasedStateMachine):
     @invariant()
     def a_completed_generation_leaves_no_checkpoint(self):
         for key in self.completed:
-            assert not any(meta.key.endswith("\x1f" + key) for meta, _, _ in self.disk.checkpoints.values())
+            assert not any(saved.meta.key.endswith("\x1f" + key) for saved in self.disk.checkpoints.values())
 
     @invariant()
     def what_is_on_disk_is_what_was_generated(self):
-        for meta, tokens, _ in self.disk.checkpoints.values():
-            key = meta.key.rsplit("\x1f", 1)[-1]
-            assert tokens == PROMPTS[key] + generated(key, meta.generated_tokens)
+        for saved in self.disk.checkpoints.values():
+            key = saved.meta.key.rsplit("\x1f", 1)[-1]
+            assert saved.tokens == PROMPTS[key] + generated(key, saved.meta.generated_tokens)
 
 
 def test_checkpoints_survive_crashes_and_completed_ones_go():

@@ -94,7 +94,8 @@ def test_entries_pinned_by_a_write_in_flight_are_not_evicted():
     service = build(deferred=True)
     serve(service, tuple(range(200)))
     request, tokens = Request(tuple(range(1000, 1200)), 4), tuple(range(1000, 1200))
-    decided = step(service.state, ev.Publish(request, "n", tokens, 99, 200, SPEC.bytes_for(200), True))
+    decided = step(service.state, ev.Publish(request, "n", tokens, 99, 200, SPEC.bytes_for(200), True,
+                                                    SPEC.bytes_for(200)))
     assert decided.reply == NotKept(NotKeptReason.NO_ROOM)  # the first is pinned by its write
     assert not any(type(e).__name__ == "DropEntry" for e in decided.effects)
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvstate.core import events as ev
 from kvstate.core.errors import CheckpointNotAllowed, OverBudget, RequestKeepsNoState, TokensDoNotMatchCaches
-from kvstate.core.replies import Acquired, Admission, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, \
+from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, \
     ObjectMissing, Source
 from kvstate.core.request import Continuation, Request
 from kvstate.core.state import OBJECTS, Phase, Residence, ServiceConfig, initial_state
@@ -38,11 +38,12 @@ class Core:
         self.state, self.effects = result.state, result.effects
         return result.reply
 
-    def keep(self, tokens, nbytes=10, trimmable=True, session=None, namespace="n"):
-        """Publish ``tokens`` as a request would after prefill; the reply."""
+    def keep(self, tokens, nbytes=10, trimmable=True, session=None, namespace="n", file_bytes=None):
+        """Publish ``tokens`` as a request would after prefill (its file as large as its state unless
+        ``file_bytes`` says otherwise); the reply."""
         request = Request(tokens, 1, session_id=session)
         return self(ev.Publish(request, namespace, tuple(tokens), next(self.handles), len(tokens), nbytes,
-                               trimmable))
+                               trimmable, nbytes if file_bytes is None else file_bytes))
 
     def acquire(self, prompt, session=None, namespace="n", continuation=None):
         """Acquire for a new request; ``(lease, handle, reply)``."""
@@ -242,7 +243,7 @@ def test_affinity_finds_an_own_entry_held_in_ram_only_when_there_is_a_disk_tier(
 def test_a_spill_settles_into_both_tiers_and_is_counted_once():
     core = tiered()
     entry = core.keep((1, 2, 3), nbytes=30).entry
-    assert core.of(fx.SpillEntry) == [fx.SpillEntry(entry, fx.DiskKey("n", (1, 2, 3)), 30, True)]
+    assert core.of(fx.SpillEntry) == [fx.SpillEntry(entry, fx.DiskKey("n", (1, 2, 3)), 30, True, 30)]
     assert (core.state.pending_writes, core.state.pending_write_bytes, core.state.disk_bytes) == (1, 30, 30)
     core.settle_writes()
     assert core.residence(entry) is R.BOTH
@@ -397,7 +398,7 @@ def test_optional_bytes_are_ram_entries_less_what_is_being_given_back_plus_queue
     core(ev.Boundary(pressure=True))          # being given back: its 20 bytes no longer count
     assert core.residence(2) is R.SPILLING and optional_bytes(core.state) == 30
     lease, _, _ = core.acquire((7, 8), continuation=Continuation("k", 1))
-    assert core(ev.Checkpoint(lease, 77, (7, 8, 9), 3, 1, None, 5)) is True
+    assert core(ev.Checkpoint(lease, 77, (7, 8, 9), 3, 1, None, 5, 6)) is True
     assert optional_bytes(core.state) == 35
 
 
@@ -439,7 +440,7 @@ def test_prefetch_refuses_a_file_being_restored_and_one_without_room():
 @pytest.mark.parametrize("options", [{"disk_capacity_bytes": None}, {"ram_capacity_bytes": 0}])
 def test_prefetch_needs_a_disk_tier_and_ram(options):
     core = tiered(**options)
-    core(ev.Scanned((ev.SavedRecord("n", (1, 2), 0, True),)))  # even a file of no bytes is not read into no RAM
+    core(ev.Scanned((ev.SavedRecord("n", (1, 2), 0, True, 0),)))  # even a file of no bytes is not read into no RAM
     assert core(ev.Prefetch((1, 2, 3), "n")) is False
 
 
@@ -462,7 +463,7 @@ def test_a_publish_of_tokens_being_prefetched_is_a_duplicate():
 
 def test_objects_read_from_disk_are_pinned_per_reader_counted_and_never_prefixes():
     core = tiered(ram_capacity_bytes=10)
-    assert core(ev.ObjectPut("weights", 1, 10)) == Kept(1)
+    assert core(ev.ObjectPut("weights", 1, 10, 10)) == Kept(1)
     assert not core.of(fx.NotifyKept)                          # observers hear of prefixes only
     assert core.of(fx.SpillEntry)[0].trimmable is False         # an object is never trimmed
     core.settle_writes()
@@ -481,24 +482,24 @@ def test_objects_read_from_disk_are_pinned_per_reader_counted_and_never_prefixes
 def test_an_object_read_from_disk_refreshes_the_disk_policy():
     core = tiered(ram_capacity_bytes=10, disk_capacity_bytes=20)
     for handle, key in enumerate(("a", "b")):
-        core(ev.ObjectPut(key, handle, 10))
+        core(ev.ObjectPut(key, handle, 10, 10))
         core.settle_writes()
         core(ev.Boundary(pressure=True))
     core(ev.ObjectGet("a", 7))
     core(done.RestoreDone(1, 7))
-    core(ev.ObjectPut("c", 8, 10))                 # disk LRU: "b" was used longest ago
+    core(ev.ObjectPut("c", 8, 10, 10))                 # disk LRU: "b" was used longest ago
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey(OBJECTS, tuple(b"b")))]
 
 
 def test_an_object_put_needs_ram_and_fits_the_smallest():
-    assert Core(ram_capacity_bytes=0)(ev.ObjectPut("k", 1, 0)) == NotKept(NotKeptReason.TOO_LARGE)
-    assert Core(ram_capacity_bytes=1)(ev.ObjectPut("k", 1, 1)) == Kept(1)
+    assert Core(ram_capacity_bytes=0)(ev.ObjectPut("k", 1, 0, 0)) == NotKept(NotKeptReason.TOO_LARGE)
+    assert Core(ram_capacity_bytes=1)(ev.ObjectPut("k", 1, 1, 1)) == Kept(1)
 
 
 def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():
     core = tiered(disk_capacity_bytes=30)
-    records = (ev.SavedRecord(OBJECTS, tuple(b"w"), 10, False), ev.SavedRecord("n", (1, 2), 20, True),
-               ev.SavedRecord("n", (3, 4), 1, True))
+    records = (ev.SavedRecord(OBJECTS, tuple(b"w"), 10, False, 10), ev.SavedRecord("n", (1, 2), 20, True, 20),
+               ev.SavedRecord("n", (3, 4), 1, True, 1))
     core(ev.Scanned(records))
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (3, 4)))]
     assert core.state.disk_bytes == 30 and len(core.state.entries) == 2
@@ -513,7 +514,7 @@ def test_a_scan_that_found_nothing_rejected_nothing():
 
 def test_saved_entries_found_by_a_scan_are_not_protected():
     core = tiered(ram_capacity_bytes=20, retention=lambda namespace, tokens, request: True)
-    core(ev.Scanned((ev.SavedRecord("n", (1, 2, 3), 10, True),)))
+    core(ev.Scanned((ev.SavedRecord("n", (1, 2, 3), 10, True, 10),)))
     found = next(iter(core.state.entries))
     kept = core.keep((5, 6, 7), nbytes=10).entry   # protected by the retention rule
     core.settle_writes()
@@ -534,9 +535,9 @@ def interrupted(core, continuation, tokens=(1, 2, 3)):
     """A generation of the prompt (1, 2) that checkpointed ``tokens`` durably, then was released
     unfinished: the checkpoint's meta."""
     lease, _, _ = core.acquire((1, 2), continuation=continuation)
-    assert core(ev.Checkpoint(lease, 9, tokens, len(tokens), len(tokens) - 2, None, 5)) is True
+    assert core(ev.Checkpoint(lease, 9, tokens, len(tokens), len(tokens) - 2, None, 5, 6)) is True
     meta = core.of(fx.WriteCheckpoint)[0].meta
-    core(done.CheckpointWritten(meta.key, len(tokens)))
+    core(done.CheckpointWritten(meta.key, len(tokens), 6))
     core(ev.Release(lease, completed=False))
     return meta
 
@@ -546,7 +547,7 @@ def test_a_checkpoint_before_acquire_is_refused_as_such():
     request = Request((1, 2), 4, continuation=Continuation("k", 1))
     core(ev.Admit(1, request))
     with pytest.raises(CheckpointNotAllowed, match="before acquire"):
-        core(ev.Checkpoint(1, 9, (1, 2, 3), 3, 1, None, 5))
+        core(ev.Checkpoint(1, 9, (1, 2, 3), 3, 1, None, 5, 6))
 
 
 @pytest.mark.parametrize("tokens, covered, generated", [((1, 2, 3), 3, -1), ((1, 2, 3), 3, 2), ((1, 2, 3), 2, 1),
@@ -556,7 +557,7 @@ def test_a_checkpoint_must_be_the_prompt_plus_what_was_generated(tokens, covered
     lease, _, _ = core.acquire((1, 2), continuation=Continuation("k", 1))
     before = core.state
     with pytest.raises(TokensDoNotMatchCaches):
-        core(ev.Checkpoint(lease, 9, tokens, covered, generated, None, 5))
+        core(ev.Checkpoint(lease, 9, tokens, covered, generated, None, 5, 6))
     assert core.state == before
 
 
@@ -577,7 +578,7 @@ def test_a_checkpoint_still_being_written_or_only_failed_is_not_resumed():
     core = checkpointing()
     continuation = Continuation("k", 1)
     lease, _, _ = core.acquire((1, 2), continuation=continuation)
-    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5))
+    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 6))
     key = core.of(fx.WriteCheckpoint)[0].meta.key
     core(ev.Release(lease, completed=False))
     _, _, reply = core.acquire((1, 2), continuation=continuation)   # pending only
@@ -594,7 +595,7 @@ def test_a_checkpoint_found_by_a_scan_with_one_durable_token_is_resumed():
     continuation = Continuation("k", 1)
     key = "n\x1f\x1fk"
     meta = fx.CheckpointMeta(key, "n", 1, 0, None, 1, False)
-    core(ev.Scanned(checkpoints=((meta, 1),)))
+    core(ev.Scanned(checkpoints=(ev.SavedCheckpoint(meta, 1, 6),)))
     _, handle, _ = core.acquire((1,), continuation=continuation)
     assert core.of(fx.ResumeCheckpoint) == [fx.ResumeCheckpoint(key, handle)]
 
@@ -602,8 +603,8 @@ def test_a_checkpoint_found_by_a_scan_with_one_durable_token_is_resumed():
 def test_the_write_queue_bounds_checkpoints_too():
     core = tiered(checkpoint_every_tokens=1, write_queue_bytes=5)
     lease, _, _ = core.acquire((1, 2), continuation=Continuation("k", 1))
-    assert core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5)) is True       # exactly the queue
-    assert core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 1)) is False  # one byte over
+    assert core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 6)) is True       # exactly the queue
+    assert core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 1, 2)) is False  # one byte over
     assert core.of(fx.DropPublished) == [fx.DropPublished(10)]
     assert (core.state.pending_writes, core.state.pending_write_bytes) == (1, 5)
     assert core.counts() == {"misses": 1, "dropped_writes": 1}
@@ -612,14 +613,14 @@ def test_the_write_queue_bounds_checkpoints_too():
 def test_checkpoint_writes_settle_one_share_at_a_time():
     core = checkpointing()
     lease, _, _ = core.acquire((1, 2), continuation=Continuation("k", 1))
-    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 6))
+    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 6, 7))
     key = core.of(fx.WriteCheckpoint)[0].meta.key
-    core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 6))
-    core(done.CheckpointWritten(key, 3))
+    core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 6, 7))
+    core(done.CheckpointWritten(key, 3, 7))
     record = core.state.checkpoints[key]
     assert (record.pending, record.pending_bytes, record.durable_tokens) == (1, 6, 3)
     assert (core.state.pending_writes, core.state.pending_write_bytes) == (1, 6)
-    core(done.CheckpointWritten(key, 4))
+    core(done.CheckpointWritten(key, 4, 7))
     assert core.state.checkpoints[key].durable_tokens == 4 and core.state.pending_write_bytes == 0
     assert core.counts()["checkpoints_written"] == 2
 
@@ -627,14 +628,14 @@ def test_checkpoint_writes_settle_one_share_at_a_time():
 def test_a_completed_generation_deletes_its_checkpoint_and_its_queued_writes():
     core = checkpointing()
     lease, _, _ = core.acquire((1, 2), continuation=Continuation("k", 1))
-    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 6))
-    core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 6))
+    core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 6, 7))
+    core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 6, 7))
     key = core.of(fx.WriteCheckpoint)[0].meta.key
     core(ev.Release(lease, completed=True))
     assert core.of(fx.DeleteCheckpoint) == [fx.DeleteCheckpoint(key)]
     assert (core.state.pending_writes, core.state.pending_write_bytes) == (0, 0)
     before = core.state
-    core(done.CheckpointWritten(key, 3))                 # the late completion of a deleted record
+    core(done.CheckpointWritten(key, 3, 7))                 # the late completion of a deleted record
     assert core.state.checkpoints == before.checkpoints and core.state.pending_writes == 0
 
 
@@ -684,3 +685,48 @@ def test_flush_writes_every_ram_only_entry_whatever_the_write_queue_holds():
     assert len(core.of(fx.SpillEntry)) == 2 and core.of(fx.Sync)
     core.settle_writes()
     assert core(done.Synced()).durable
+
+
+def test_the_disk_tier_charges_what_a_file_takes_and_ram_what_the_state_takes():
+    core = tiered(disk_capacity_bytes=40)
+    first = core.keep((1, 2), nbytes=10, file_bytes=18).entry     # a header of 8 bytes
+    assert core.of(fx.SpillEntry) == [fx.SpillEntry(first, fx.DiskKey("n", (1, 2)), 10, True, 18)]
+    assert (core.state.ram_bytes, core.state.disk_bytes, core.state.pending_write_bytes) == (10, 18, 10)
+    core.settle_writes()
+    core.keep((3, 4), nbytes=10, file_bytes=18)
+    core.settle_writes()
+    assert core(ev.ReportQuery()).saved_bytes == core.state.disk_bytes == 36
+    core.keep((5, 6), nbytes=10, file_bytes=18)                   # 54 > 40: the oldest file goes
+    assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (1, 2)))]
+    assert core.state.disk_bytes == 36 and core.counts()["disk_evictions"] == 1
+    assert core.residence(first) is R.RAM and core.state.ram_bytes == 30
+
+
+def test_a_flush_never_evicts_a_durable_file_to_write_another():
+    core = tiered(disk_capacity_bytes=40, write_behind=False)
+    core.keep((1, 2), nbytes=10, file_bytes=20)
+    core(ev.Flush())
+    core.settle_writes()
+    core(done.Synced())
+    core.keep((3, 4), nbytes=10, file_bytes=25)                   # 20 + 25 > 40
+    core(ev.Flush())
+    assert core.of(fx.SpillEntry) == [] and core.of(fx.DeleteFile) == []
+    assert core(done.Synced()) == FlushResult(False, 0, 0, 1)     # said so: one entry is RAM only
+    assert core.counts()["dropped_writes"] == 1 and core.state.disk_bytes == 20
+
+
+def test_checkpoint_files_are_charged_to_the_disk_tier_and_replace_each_other():
+    core = tiered(disk_capacity_bytes=100, checkpoint_every_tokens=1)
+    lease, _, _ = core.acquire((1, 2), continuation=Continuation("g", 1))
+    assert core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 30)) is True
+    assert core.state.disk_bytes == 30                            # reserved while it is written
+    key = core.of(fx.WriteCheckpoint)[0].meta.key
+    core(done.CheckpointWritten(key, 3, 30))
+    assert core.state.disk_bytes == 30 and core(ev.ReportQuery()).checkpoint_bytes == 30
+    core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 5, 35))
+    assert core.state.disk_bytes == 65                            # old and new side by side
+    core(done.CheckpointWritten(key, 4, 35))
+    assert core.state.disk_bytes == 35                            # the new file replaced the old
+    assert core(ev.Checkpoint(lease, 11, (1, 2, 3, 4, 5), 5, 3, None, 5, 70)) is False  # 35 + 70 > 100
+    core(ev.Release(lease, completed=True))
+    assert core.state.disk_bytes == 0 and core.of(fx.DeleteCheckpoint)
