@@ -55,7 +55,7 @@ def measure(entries: int, samples: int) -> dict[str, list[float]]:
     service = build(entries, samples)
     times: dict[str, list[float]] = {"admit": [], "acquire hit": [], "acquire miss": [], "publish": [],
                                      "release": [], "index lookup": [], BASELINE: []}
-    index = service.state.ram
+    index = service.state.ram.index
     table = {entry_tokens(i): i for i in range(entries)}
     tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
     gc.collect()

@@ -151,11 +151,6 @@ class ReportQuery(Event):
 
 
 @attrs.frozen
-class Settle(Event):
-    """Wait until the writes in flight have completed or failed (backpressure); starts no new write."""
-
-
-@attrs.frozen
 class Flush(Event):
     """Make kept state durable and say whether it is."""
 

@@ -91,3 +91,11 @@ class ObjectFound:
 @attrs.frozen
 class ObjectMissing:
     """``objects.get``: nothing is kept under the key."""
+
+
+@attrs.frozen
+class Pending:
+    """The call waits on effects in flight: a read into ``handle`` (an acquire, an object get), or
+    writes settling (a publish under backpressure). Its answer comes with their completion."""
+
+    handle: int | None = None

@@ -75,8 +75,6 @@ LIFECYCLE: dict[tuple[Residence, Move], Residence | None] = {
 
 IN_RAM = frozenset({R.RAM, R.SPILLING, R.BOTH})
 ON_DISK = frozenset({R.BOTH, R.DISK, R.PREFETCHING})
-#: Residences with an effect in flight: never evicted from either tier.
-PINNED = frozenset({R.SPILLING, R.PREFETCHING})
 
 
 class IllegalMove(AssertionError):
@@ -238,42 +236,65 @@ EMPTY: immutables.Map = immutables.Map()
 
 
 @attrs.frozen(slots=True)
+class Tier:
+    """One tier of kept state (RAM or disk): the index of what it holds, the bytes it charges against
+    its capacity, and its eviction policy with that policy's state."""
+
+    index: PrefixIndex
+    bytes: int
+    capacity: int
+    strategy: EvictionPolicy = attrs.field(eq=False)
+    policy: Any = attrs.field(eq=False)
+
+    @classmethod
+    def empty(cls, capacity: int, strategy: EvictionPolicy) -> "Tier":
+        return cls(PrefixIndex(), 0, capacity, strategy, strategy.empty(capacity))
+
+
+@attrs.frozen(slots=True)
+class Writes:
+    """Writes to disk in flight (spills and checkpoints) and the RAM bytes they hold in the queue."""
+
+    count: int = 0
+    bytes: int = 0
+
+
+@attrs.frozen(slots=True)
+class Waiting:
+    """An acquire (``lease``) or an object get (``lease`` None) parked on a read of ``tokens`` tokens."""
+
+    lease: int | None
+    tokens: int
+
+
+@attrs.frozen(slots=True)
 class ServiceState:
     """Everything the service decides from, as one value."""
 
     config: ServiceConfig
-    strategy: EvictionPolicy = attrs.field(eq=False)
-    disk_strategy: EvictionPolicy = attrs.field(eq=False)
+    ram: Tier                               # RAM entries plus reads into RAM in flight
+    disk: Tier                              # saved files (prefixes, checkpoints) plus writes in flight
+    entries: immutables.Map = EMPTY         # entry id -> Entry
     leases: immutables.Map = EMPTY          # lease id -> Lease
     projected_bytes: int = 0
-    entries: immutables.Map = EMPTY         # entry id -> Entry
-    ram: PrefixIndex = PrefixIndex()
-    disk: PrefixIndex = PrefixIndex()
-    ram_bytes: int = 0                      # RAM entries plus reads into RAM in flight
-    disk_bytes: int = 0                     # saved files (prefixes, checkpoints) plus writes in flight
-    ram_policy: Any = None
-    disk_policy: Any = None
-    pending_writes: int = 0
-    pending_write_bytes: int = 0
+    writes: Writes = Writes()
     reading: immutables.Map = EMPTY         # entry id -> restores in flight (pins its file)
-    acquiring: immutables.Map = EMPTY       # handle -> lease id, for acquires waiting on a read
+    acquiring: immutables.Map = EMPTY       # handle -> Waiting, for acquires waiting on a read
     checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
     sessions: immutables.Map = EMPTY        # session id -> (namespace, tokens) it last kept
     counters: Counters = Counters()
     next_entry: int = 1
     now: float = 0.0
     phase: Phase = Phase.OPEN
+    #: close()'s verdict once closed; or a publish parked until the writes in flight settle.
     close_result: Any = None
+    deferred: Any = None
 
 
 def initial_state(config: ServiceConfig) -> ServiceState:
     """The state of a service that holds nothing yet."""
-    strategy = policy(config.policy)
-    disk_strategy = LRU()
-    return ServiceState(
-        config=config, strategy=strategy, disk_strategy=disk_strategy,
-        ram_policy=strategy.empty(config.ram_capacity_bytes),
-        disk_policy=disk_strategy.empty(config.disk_capacity_bytes or 0))
+    return ServiceState(config=config, ram=Tier.empty(config.ram_capacity_bytes, policy(config.policy)),
+                        disk=Tier.empty(config.disk_capacity_bytes or 0, LRU()))
 
 
 def check_namespace(namespace: object) -> str:

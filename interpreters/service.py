@@ -20,7 +20,7 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.errors import UnknownRequest
-from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, NotKept, NotKeptReason, ObjectFound, Source
+from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, ObjectFound, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (
@@ -256,10 +256,7 @@ class KvCacheService:
                 file_bytes = self._file_bytes(handle, namespace, tokens, facts)
                 event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable,
                                    file_bytes)
-                if self._state.pending_writes and self._refused_for_room(event):
-                    # Backpressure: RAM is full of entries pinned by writes in flight; wait for them first.
-                    self._run(ev.Settle())
-                return isinstance(self._run(event), Kept)
+                return isinstance(self._run(event), Kept)  # under backpressure the core waits for writes
             except BaseException:
                 self._interpreter.unstage(handle)
                 raise
@@ -269,11 +266,6 @@ class KvCacheService:
         if not self._state.config.has_disk:
             return 0
         return self._interpreter.file_bytes(handle, DiskKey(namespace, tokens), facts)
-
-    def _refused_for_room(self, event: ev.Publish) -> bool:
-        """Would the core refuse ``event`` for want of room? A pure look at the decision; nothing happens."""
-        trial = step(self._state, event).reply
-        return isinstance(trial, NotKept) and trial.reason is NotKeptReason.NO_ROOM
 
     def _collect(self) -> None:
         """Feed back the writes the interpreter finished in the background (unpinning their entries)."""

@@ -127,7 +127,7 @@ def test_the_initial_state_holds_nothing_and_counts_nothing():
     state = initial_state(config(disk_capacity_bytes=10))
     counts = state.counters
     assert attrs.asdict(counts) == dict.fromkeys(attrs.asdict(counts), 0)
-    assert (state.ram_bytes, state.disk_bytes, state.projected_bytes, len(state.entries)) == (0, 0, 0, 0)
+    assert (state.ram.bytes, state.disk.bytes, state.projected_bytes, len(state.entries)) == (0, 0, 0, 0)
 
 
 def serve(service, prompt, namespace="n"):

@@ -197,7 +197,7 @@ class BaseMachine(RuleBasedStateMachine):
         state = self.service.state
         in_ram = [e for e in state.entries.values() if e.residence in IN_RAM]
         assert sum(e.nbytes for e in in_ram) <= RAM
-        assert state.ram_bytes <= RAM
+        assert state.ram.bytes <= RAM
         for entry in in_ram:
             content = self.service.interpreter.ram_content(entry.id)
             if entry.namespace == OBJECTS:
@@ -210,20 +210,20 @@ class BaseMachine(RuleBasedStateMachine):
         """Every running total the core keeps equals what its entries and indexes add up to."""
         state = self.service.state
         entries = state.entries.values()
-        assert state.ram_bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM)
+        assert state.ram.bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM)
         spilling = [e for e in entries if e.residence is Residence.SPILLING]
         # the disk tier charges file bytes; a write in flight has its file's bytes reserved from the start
-        assert state.disk_bytes == (sum(e.file_bytes for e in entries
+        assert state.disk.bytes == (sum(e.file_bytes for e in entries
                                         if e.residence in ON_DISK or e.residence is Residence.SPILLING)
                                     + sum(r.file_bytes + r.pending_file_bytes for r in state.checkpoints.values()))
-        assert state.pending_writes == len(spilling) + sum(r.pending for r in state.checkpoints.values())
-        assert state.pending_write_bytes == (sum(e.nbytes for e in spilling)
+        assert state.writes.count == len(spilling) + sum(r.pending for r in state.checkpoints.values())
+        assert state.writes.bytes == (sum(e.nbytes for e in spilling)
                                              + sum(r.pending_bytes for r in state.checkpoints.values()))
-        assert state.pending_writes == getattr(self.service.interpreter, "pending_writes", 0)
-        assert sorted((ns, t, i) for ns, t, i, _ in state.ram.items()) == sorted(
+        assert state.writes.count == getattr(self.service.interpreter, "pending_writes", 0)
+        assert sorted((ns, t, i) for ns, t, i, _ in state.ram.index.items()) == sorted(
             (e.namespace, e.tokens, e.id) for e in entries if e.residence in IN_RAM)
         if state.config.has_disk:
-            assert sorted((ns, t, i) for ns, t, i, _ in state.disk.items()) == sorted(
+            assert sorted((ns, t, i) for ns, t, i, _ in state.disk.index.items()) == sorted(
                 (e.namespace, e.tokens, e.id) for e in entries if e.residence in ON_DISK)
         for entry_id in state.reading:
             assert state.entries[entry_id].residence in ON_DISK  # a read in flight pins a saved entry
@@ -304,7 +304,7 @@ class ExactServiceMachine(BaseMachine):
     @invariant()
     def held_prefixes_are_the_references(self):
         state = self.service.state
-        held = {(ns, tokens) for ns, tokens, _, _ in state.ram.items()}
+        held = {(ns, tokens) for ns, tokens, _, _ in state.ram.index.items()}
         assert held == set(self.reference.items)
         report = self.service.report()
         assert report.bytes == self.reference.held_bytes
@@ -347,8 +347,8 @@ class TieredServiceMachine(BaseMachine):
 
     def held_listing(self):
         state = self.service.state
-        return ([(ns, t, trim) for ns, t, _, trim in state.ram.items()]
-                + [(ns, t, trim) for ns, t, _, trim in state.disk.items()])
+        return ([(ns, t, trim) for ns, t, _, trim in state.ram.index.items()]
+                + [(ns, t, trim) for ns, t, _, trim in state.disk.index.items()])
 
     def check_acquire(self, live, state):
         prompt = live.request.prompt
@@ -407,7 +407,7 @@ class TieredServiceMachine(BaseMachine):
                 assert file.content == tokens
         # The process dies here: a fresh service finds every kept prefix on disk (invariant 5).
         self.service = self.restarted()
-        found = {(ns, t) for ns, t, _, _ in self.service.state.disk.items()}
+        found = {(ns, t) for ns, t, _, _ in self.service.state.disk.index.items()}
         rotten = {(k.namespace, k.tokens) for k, _ in self.disk.rejected}
         assert set(kept) - rotten <= found
         self.live.clear()
@@ -426,7 +426,7 @@ class TieredServiceMachine(BaseMachine):
     @invariant()
     def disk_within_capacity_and_holds_only_what_was_published(self):
         state = self.service.state
-        assert self.disk.used_bytes() <= state.disk_bytes <= DISK  # what the disk holds, as it counts it
+        assert self.disk.used_bytes() <= state.disk.bytes <= DISK  # what the disk holds, as it counts it
         for file in self.disk.files.values():
             assert file.file_bytes == self.files.file_bytes(file.nbytes, len(file.tokens))
             assert (file.namespace, file.tokens) in self.published

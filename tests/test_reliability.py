@@ -173,7 +173,7 @@ def test_a_crash_between_every_pair_of_effects_keeps_invariant_5(seed):
         explored += 1
         faults.crash_before_effect = None
         restarted = simulated(disk, faults)
-        found = {(ns, t) for ns, t, _, _ in restarted.state.disk.items()}
+        found = {(ns, t) for ns, t, _, _ in restarted.state.disk.index.items()}
         for file in disk.files.values():  # nothing claimed that was not written whole, nothing foreign
             assert file.content == file.tokens and file.tokens in published
         if durable_before is not None and durable_before[0].durable:

@@ -11,7 +11,7 @@ import pytest
 from kvstate.core import events as ev
 from kvstate.core.errors import CheckpointNotAllowed, OverBudget, RequestKeepsNoState, TokensDoNotMatchCaches
 from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, \
-    ObjectMissing, Source
+    ObjectMissing, Pending, Source
 from kvstate.core.request import Continuation, Request
 from kvstate.core.state import OBJECTS, Phase, Residence, ServiceConfig, initial_state
 from kvstate.core.transitions import optional_bytes, step
@@ -129,11 +129,24 @@ def test_an_entry_exactly_the_ram_capacity_is_kept_one_byte_more_is_too_large():
     assert core.counts() == {"kept": 1, "not_kept": 1}
 
 
-def test_an_entry_that_fits_but_meets_pinned_ram_has_no_room():
+def test_a_publish_that_meets_ram_pinned_by_writes_waits_for_them_then_keeps():
     core = tiered()
-    core.keep((1, 2), nbytes=40)  # its write is in flight: pinned
+    first = core.keep((1, 2), nbytes=40).entry     # its write is in flight: pinned
+    before = core.state
+    assert core.keep((3, 4), nbytes=100) == Pending() and core.effects == (fx.Sync(),)
+    assert core.state.entries == before.entries and core.state.deferred is not None
+    core(done.SpillDone(first))
+    assert core(done.Synced()) == Kept(2)          # the wait is over: the write settled, room is made
+    assert core.of(fx.DropEntry) == [fx.DropEntry(first)] and core.residence(first) is R.DISK
+    assert core.state.deferred is None and core.counts()["evictions"] == 1
+
+
+def test_an_entry_that_fits_but_meets_ram_pinned_once_writes_settled_has_no_room():
+    core = tiered()
+    saved = on_disk_only(core, (1, 2), nbytes=40)
+    assert core(ev.Prefetch((1, 2, 3), "n")) is True  # pinned by a read, not by a write
     assert core.keep((3, 4), nbytes=100) == NotKept(NotKeptReason.NO_ROOM)
-    assert core.of(fx.DropPublished) and not core.of(fx.DropEntry)
+    assert core.of(fx.DropPublished) and not core.of(fx.DropEntry) and core.residence(saved) is R.PREFETCHING
 
 
 def test_a_publish_of_zero_bytes_is_kept():
@@ -191,7 +204,7 @@ def test_affinity_prefers_the_sessions_own_entry_on_disk_over_an_equal_ram_entry
     own = on_disk_only(core, (1, 2, 3), session="s")
     other = core.keep((1, 7, 7)).entry
     _, handle, reply = core.acquire((1, 5, 6), session="s")  # both serve one token
-    assert reply is None and core.of(fx.RestoreEntry) == [fx.RestoreEntry(own, fx.DiskKey("n", (1, 2, 3)), 1,
+    assert reply == Pending(handle) and core.of(fx.RestoreEntry) == [fx.RestoreEntry(own, fx.DiskKey("n", (1, 2, 3)), 1,
                                                                           handle)]
     reply = core(done.RestoreDone(own, handle))
     assert (reply.source, reply.reused_tokens) == (Source.DISK, 1)
@@ -244,10 +257,10 @@ def test_a_spill_settles_into_both_tiers_and_is_counted_once():
     core = tiered()
     entry = core.keep((1, 2, 3), nbytes=30).entry
     assert core.of(fx.SpillEntry) == [fx.SpillEntry(entry, fx.DiskKey("n", (1, 2, 3)), 30, True, 30)]
-    assert (core.state.pending_writes, core.state.pending_write_bytes, core.state.disk_bytes) == (1, 30, 30)
+    assert (core.state.writes.count, core.state.writes.bytes, core.state.disk.bytes) == (1, 30, 30)
     core.settle_writes()
     assert core.residence(entry) is R.BOTH
-    assert (core.state.pending_writes, core.state.pending_write_bytes, core.state.disk_bytes) == (0, 0, 30)
+    assert (core.state.writes.count, core.state.writes.bytes, core.state.disk.bytes) == (0, 0, 30)
     assert core.counts() == {"kept": 1, "spills": 1}
 
 
@@ -256,7 +269,7 @@ def test_a_failed_spill_leaves_the_ram_copy_and_frees_its_disk_bytes():
     entry = core.keep((1, 2, 3), nbytes=30).entry
     core(done.SpillFailed(entry, done.FailureReason.NO_SPACE))
     assert core.residence(entry) is R.RAM
-    assert (core.state.pending_writes, core.state.pending_write_bytes, core.state.disk_bytes) == (0, 0, 0)
+    assert (core.state.writes.count, core.state.writes.bytes, core.state.disk.bytes) == (0, 0, 0)
     assert core.counts() == {"kept": 1, "failed_writes": 1}
 
 
@@ -419,7 +432,7 @@ def test_prefetch_reads_a_longer_disk_prefix_into_ram_and_refuses_everything_els
     core = tiered()
     entry = on_disk_only(core, (1, 2, 3))
     assert core(ev.Prefetch((1, 2, 9), "n")) is True
-    assert core.residence(entry) is R.PREFETCHING and core.state.ram_bytes == 10
+    assert core.residence(entry) is R.PREFETCHING and core.state.ram.bytes == 10
     assert core(ev.Prefetch((1, 2, 9), "n")) is False        # already being read
     core(done.PrefetchDone(entry))
     assert core.residence(entry) is R.BOTH and core.counts()["prefetches"] == 1
@@ -502,8 +515,8 @@ def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():
                ev.SavedRecord("n", (3, 4), 1, True, 1))
     core(ev.Scanned(records))
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (3, 4)))]
-    assert core.state.disk_bytes == 30 and len(core.state.entries) == 2
-    assert core(ev.ObjectGet("w", 5)) is None and core.of(fx.RestoreEntry)
+    assert core.state.disk.bytes == 30 and len(core.state.entries) == 2
+    assert core(ev.ObjectGet("w", 5)) == Pending(5) and core.of(fx.RestoreEntry)
 
 
 def test_a_scan_that_found_nothing_rejected_nothing():
@@ -567,7 +580,7 @@ def test_a_checkpoint_of_nothing_generated_yet_is_written_and_resumed():
     meta = interrupted(core, continuation, tokens=(1, 2))
     assert meta == fx.CheckpointMeta("n\x1f\x1fk", "n", 2, 0, None, 1, seed_was_explicit=False)
     lease, handle, reply = core.acquire((1, 2), continuation=continuation)
-    assert reply is None and core.of(fx.ResumeCheckpoint) == [fx.ResumeCheckpoint(meta.key, handle)]
+    assert reply == Pending(handle) and core.of(fx.ResumeCheckpoint) == [fx.ResumeCheckpoint(meta.key, handle)]
     reply = core(done.CheckpointResumed(handle, meta, (1, 2)))
     assert (reply.source, reply.resumed, reply.resumed_tokens) == (Source.CHECKPOINT, meta, (1, 2))
     assert core.counts() == {"misses": 1, "hits": 1, "checkpoints_written": 1, "resumes": 1,
@@ -584,7 +597,7 @@ def test_a_checkpoint_still_being_written_or_only_failed_is_not_resumed():
     _, _, reply = core.acquire((1, 2), continuation=continuation)   # pending only
     assert isinstance(reply, Acquired) and reply.source is Source.FRESH
     core(done.CheckpointFailed(key, done.FailureReason.NO_SPACE))
-    assert (core.state.pending_writes, core.state.pending_write_bytes) == (0, 0)
+    assert (core.state.writes.count, core.state.writes.bytes) == (0, 0)
     _, _, reply = core.acquire((1, 2), continuation=continuation)   # failed only
     assert reply.source is Source.FRESH
     assert core.counts() == {"misses": 3, "failed_writes": 1}
@@ -606,7 +619,7 @@ def test_the_write_queue_bounds_checkpoints_too():
     assert core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 6)) is True       # exactly the queue
     assert core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 1, 2)) is False  # one byte over
     assert core.of(fx.DropPublished) == [fx.DropPublished(10)]
-    assert (core.state.pending_writes, core.state.pending_write_bytes) == (1, 5)
+    assert (core.state.writes.count, core.state.writes.bytes) == (1, 5)
     assert core.counts() == {"misses": 1, "dropped_writes": 1}
 
 
@@ -619,9 +632,9 @@ def test_checkpoint_writes_settle_one_share_at_a_time():
     core(done.CheckpointWritten(key, 3, 7))
     record = core.state.checkpoints[key]
     assert (record.pending, record.pending_bytes, record.durable_tokens) == (1, 6, 3)
-    assert (core.state.pending_writes, core.state.pending_write_bytes) == (1, 6)
+    assert (core.state.writes.count, core.state.writes.bytes) == (1, 6)
     core(done.CheckpointWritten(key, 4, 7))
-    assert core.state.checkpoints[key].durable_tokens == 4 and core.state.pending_write_bytes == 0
+    assert core.state.checkpoints[key].durable_tokens == 4 and core.state.writes.bytes == 0
     assert core.counts()["checkpoints_written"] == 2
 
 
@@ -633,10 +646,10 @@ def test_a_completed_generation_deletes_its_checkpoint_and_its_queued_writes():
     key = core.of(fx.WriteCheckpoint)[0].meta.key
     core(ev.Release(lease, completed=True))
     assert core.of(fx.DeleteCheckpoint) == [fx.DeleteCheckpoint(key)]
-    assert (core.state.pending_writes, core.state.pending_write_bytes) == (0, 0)
+    assert (core.state.writes.count, core.state.writes.bytes) == (0, 0)
     before = core.state
     core(done.CheckpointWritten(key, 3, 7))                 # the late completion of a deleted record
-    assert core.state.checkpoints == before.checkpoints and core.state.pending_writes == 0
+    assert core.state.checkpoints == before.checkpoints and core.state.writes.count == 0
 
 
 @pytest.mark.parametrize("wrong", ["prompt_tokens", "generated_tokens", "tokens", "prefix", "key"])
@@ -691,15 +704,15 @@ def test_the_disk_tier_charges_what_a_file_takes_and_ram_what_the_state_takes():
     core = tiered(disk_capacity_bytes=40)
     first = core.keep((1, 2), nbytes=10, file_bytes=18).entry     # a header of 8 bytes
     assert core.of(fx.SpillEntry) == [fx.SpillEntry(first, fx.DiskKey("n", (1, 2)), 10, True, 18)]
-    assert (core.state.ram_bytes, core.state.disk_bytes, core.state.pending_write_bytes) == (10, 18, 10)
+    assert (core.state.ram.bytes, core.state.disk.bytes, core.state.writes.bytes) == (10, 18, 10)
     core.settle_writes()
     core.keep((3, 4), nbytes=10, file_bytes=18)
     core.settle_writes()
-    assert core(ev.ReportQuery()).saved_bytes == core.state.disk_bytes == 36
+    assert core(ev.ReportQuery()).saved_bytes == core.state.disk.bytes == 36
     core.keep((5, 6), nbytes=10, file_bytes=18)                   # 54 > 40: the oldest file goes
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (1, 2)))]
-    assert core.state.disk_bytes == 36 and core.counts()["disk_evictions"] == 1
-    assert core.residence(first) is R.RAM and core.state.ram_bytes == 30
+    assert core.state.disk.bytes == 36 and core.counts()["disk_evictions"] == 1
+    assert core.residence(first) is R.RAM and core.state.ram.bytes == 30
 
 
 def test_a_flush_never_evicts_a_durable_file_to_write_another():
@@ -712,21 +725,21 @@ def test_a_flush_never_evicts_a_durable_file_to_write_another():
     core(ev.Flush())
     assert core.of(fx.SpillEntry) == [] and core.of(fx.DeleteFile) == []
     assert core(done.Synced()) == FlushResult(False, 0, 0, 1)     # said so: one entry is RAM only
-    assert core.counts()["dropped_writes"] == 1 and core.state.disk_bytes == 20
+    assert core.counts()["dropped_writes"] == 1 and core.state.disk.bytes == 20
 
 
 def test_checkpoint_files_are_charged_to_the_disk_tier_and_replace_each_other():
     core = tiered(disk_capacity_bytes=100, checkpoint_every_tokens=1)
     lease, _, _ = core.acquire((1, 2), continuation=Continuation("g", 1))
     assert core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 30)) is True
-    assert core.state.disk_bytes == 30                            # reserved while it is written
+    assert core.state.disk.bytes == 30                            # reserved while it is written
     key = core.of(fx.WriteCheckpoint)[0].meta.key
     core(done.CheckpointWritten(key, 3, 30))
-    assert core.state.disk_bytes == 30 and core(ev.ReportQuery()).checkpoint_bytes == 30
+    assert core.state.disk.bytes == 30 and core(ev.ReportQuery()).checkpoint_bytes == 30
     core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 5, 35))
-    assert core.state.disk_bytes == 65                            # old and new side by side
+    assert core.state.disk.bytes == 65                            # old and new side by side
     core(done.CheckpointWritten(key, 4, 35))
-    assert core.state.disk_bytes == 35                            # the new file replaced the old
+    assert core.state.disk.bytes == 35                            # the new file replaced the old
     assert core(ev.Checkpoint(lease, 11, (1, 2, 3, 4, 5), 5, 3, None, 5, 70)) is False  # 35 + 70 > 100
     core(ev.Release(lease, completed=True))
-    assert core.state.disk_bytes == 0 and core.of(fx.DeleteCheckpoint)
+    assert core.state.disk.bytes == 0 and core.of(fx.DeleteCheckpoint)

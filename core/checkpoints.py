@@ -1,0 +1,145 @@
+"""Generation checkpoints: resumable points of replayable generations, written to disk and resumed.
+
+A checkpoint write is queued like a spill (the write queue bounds it) and its
+file is charged to the disk tier from the start; a newer file replaces the
+older one under the same key, so both are charged while the new one is written.
+A resume must agree with the request (prompt, counts, key), or the checkpoint
+is deleted and the acquire falls back to reuse.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvstate.core import events as ev
+from kvstate.core.checks import check_sizes, ensure_open
+from kvstate.core.draft import Draft, Step, without
+from kvstate.core.errors import CheckpointNotAllowed, TokensDoNotMatchCaches
+from kvstate.core.replies import Source
+from kvstate.core.reuse import finish_acquire, plan_acquire
+from kvstate.core.state import CheckpointRecord, Lease, ServiceState
+from kvstate.core.tiers import make_disk_room
+from kvstate.effects import completions as done
+from kvstate.effects import effects as fx
+
+
+def checkpoint_meta(lease: Lease, generated_tokens: int, pending_token: int | None) -> fx.CheckpointMeta:
+    """What the checkpoint file of acquired ``lease`` records beside its caches."""
+    continuation = lease.request.continuation
+    return fx.CheckpointMeta(lease.checkpoint_key, lease.namespace, len(lease.request.prompt), generated_tokens,
+                             pending_token, continuation.seed, continuation.seed_was_explicit)
+
+
+def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
+    ensure_open(state, "checkpoint")
+    lease = state.leases.get(e.lease)
+    if lease is None or lease.request.continuation is None:
+        raise CheckpointNotAllowed("checkpoint() needs an acquired request with a continuation (a replayable "
+                                   "generation)")
+    if not state.config.checkpoints:
+        raise CheckpointNotAllowed("this service keeps no generation checkpoints: build it with a disk tier "
+                                   "and checkpoint_every_tokens")
+    if not lease.acquired:  # an admitted lease has no checkpoint key before acquire() sets one
+        raise CheckpointNotAllowed("checkpoint() before acquire(): acquire the request's state first")
+    prompt = lease.request.prompt
+    if e.generated_tokens < 0 or len(e.tokens) != len(prompt) + e.generated_tokens or e.covered != len(e.tokens) \
+            or e.tokens[:len(prompt)] != prompt:
+        raise TokensDoNotMatchCaches(
+            f"checkpoint tokens ({len(e.tokens)}) must be the prompt ({len(prompt)}) plus the "
+            f"{e.generated_tokens} generated tokens, and the caches must cover them (they cover {e.covered})")
+    check_sizes(e.nbytes, e.file_bytes)
+    d = Draft(state)
+    out: list = []
+    # The new file sits beside the old until it replaces it.
+    if d.writes.bytes + e.nbytes > d.config.write_queue_bytes or not make_disk_room(d, e.file_bytes, out):
+        d = Draft(state)
+        d.count("dropped_writes")
+        return Step(d.build(), (fx.DropPublished(e.handle),), False)
+    key = lease.checkpoint_key
+    record = state.checkpoints.get(key) or CheckpointRecord(lease.namespace)
+    d.checkpoints = d.checkpoints.set(key, attrs.evolve(
+        record, pending=record.pending + 1, pending_bytes=record.pending_bytes + e.nbytes,
+        pending_file_bytes=record.pending_file_bytes + e.file_bytes))
+    d.writes_add(1, e.nbytes)
+    d.disk.bytes += e.file_bytes
+    meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token)
+    out.append(fx.WriteCheckpoint(e.handle, meta, e.tokens, e.nbytes, e.file_bytes))
+    return Step(d.build(), tuple(out), True)
+
+
+def _settled(d: Draft, key: str, tokens: int | None, file_bytes: int = 0) -> None:
+    """A checkpoint write of ``key`` finished (``tokens`` durable in a file of ``file_bytes``, which
+    replaced the one before) or failed (None)."""
+    record = d.checkpoints.get(key)
+    if record is None or record.pending == 0:
+        return
+    share = record.pending_bytes // record.pending
+    reserved = record.pending_file_bytes // record.pending
+    d.disk.bytes -= reserved
+    if tokens is not None:
+        d.disk.bytes += file_bytes - record.file_bytes
+    d.checkpoints = d.checkpoints.set(key, attrs.evolve(
+        record, pending=record.pending - 1, pending_bytes=record.pending_bytes - share,
+        pending_file_bytes=record.pending_file_bytes - reserved,
+        durable_tokens=max(record.durable_tokens, tokens or 0),
+        file_bytes=file_bytes if tokens is not None else record.file_bytes))
+    d.writes_add(-1, -share)
+
+
+def forget_checkpoint(d: Draft, key: str) -> None:
+    """Drop the record of ``key`` (its files are being deleted): its writes and bytes go with it."""
+    record = d.checkpoints[key]
+    d.checkpoints = d.checkpoints.delete(key)
+    d.writes_add(-record.pending, -record.pending_bytes)
+    d.disk.bytes -= record.file_bytes + record.pending_file_bytes
+
+
+def checkpoint_written(state: ServiceState, e: done.CheckpointWritten) -> Step:
+    d = Draft(state)
+    _settled(d, e.key, e.tokens, e.file_bytes)
+    d.count("checkpoints_written")
+    return Step(d.build(), (), None)
+
+
+def checkpoint_failed(state: ServiceState, e: done.CheckpointFailed) -> Step:
+    d = Draft(state)
+    _settled(d, e.key, None)
+    d.count("failed_writes")
+    return Step(d.build(), (), None)
+
+
+def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
+    waiting = state.acquiring.get(e.handle)
+    if waiting is None:
+        return Step(state, (fx.DropPublished(e.handle),), None)
+    lease = state.leases[waiting.lease]
+    request, meta = lease.request, e.meta
+    consistent = (meta.prompt_tokens == len(request.prompt) and meta.generated_tokens >= 0
+                  and len(e.tokens) == meta.prompt_tokens + meta.generated_tokens
+                  and e.tokens[:len(request.prompt)] == request.prompt
+                  and meta.key == lease.checkpoint_key)
+    if not consistent:
+        return resume_failed(state, done.ResumeFailed(meta.key, e.handle, done.FailureReason.INCONSISTENT),
+                             drop_handle=True)
+    d = Draft(state)
+    d.count("resumes")
+    reply = finish_acquire(d, waiting.lease, e.handle, len(request.prompt), Source.CHECKPOINT, None,
+                           resumed=meta, resumed_tokens=e.tokens)
+    return Step(d.build(), (), reply)
+
+
+def resume_failed(state: ServiceState, e: done.ResumeFailed, drop_handle: bool = False) -> Step:
+    out: list = [fx.DropPublished(e.handle)] if drop_handle else []
+    waiting = state.acquiring.get(e.handle)
+    lease_id = waiting.lease if waiting is not None else None
+    key = state.leases[lease_id].checkpoint_key if lease_id is not None else e.key
+    d = Draft(state)
+    if key in d.checkpoints:
+        out.append(fx.DeleteCheckpoint(key))
+        forget_checkpoint(d, key)
+    d.count("rejected_files")
+    if lease_id is None:
+        return Step(d.build(), tuple(out), None)
+    d.acquiring = without(d.acquiring, e.handle)
+    reply = plan_acquire(d, lease_id, e.handle, out)
+    return Step(d.build(), tuple(out), reply)

@@ -1,0 +1,99 @@
+"""The next state of one transition, worked on in place and frozen once.
+
+A handler copies the state into a :class:`Draft`, rebinds its fields (the maps
+and indexes in it are persistent values, so nothing the caller holds changes),
+and calls :meth:`Draft.build` once at the end. The draft never leaves the
+transition: a handler that raises simply drops it, and the caller's state is as
+it was. Counter increments add up in a dict and are applied in the build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvstate.core.state import Counters, Entry, ServiceState, Tier, Writes
+
+_COUNTERS = tuple(field.name for field in attrs.fields(Counters))
+
+
+@attrs.frozen
+class Step:
+    """The outcome of one transition: the next state, the effects to carry out, the caller's reply."""
+
+    state: ServiceState
+    effects: tuple = ()
+    reply: Any = None
+
+
+class TierDraft:
+    """A tier being worked on: its index, bytes and policy state are rebound in place."""
+
+    __slots__ = ("index", "bytes", "capacity", "strategy", "policy")
+
+    def __init__(self, tier: Tier):
+        self.index, self.bytes, self.capacity = tier.index, tier.bytes, tier.capacity
+        self.strategy, self.policy = tier.strategy, tier.policy
+
+    def frozen(self) -> Tier:
+        return Tier(self.index, self.bytes, self.capacity, self.strategy, self.policy)
+
+
+class Draft:
+    """A :class:`ServiceState` being built by one transition."""
+
+    __slots__ = ("config", "ram", "disk", "entries", "leases", "projected_bytes", "writes", "reading",
+                 "acquiring", "checkpoints", "sessions", "counters", "counts", "next_entry", "now", "phase",
+                 "close_result", "deferred")
+
+    def __init__(self, state: ServiceState):
+        self.config = state.config
+        self.ram, self.disk = TierDraft(state.ram), TierDraft(state.disk)
+        self.entries, self.leases, self.projected_bytes = state.entries, state.leases, state.projected_bytes
+        self.writes, self.reading, self.acquiring = state.writes, state.reading, state.acquiring
+        self.checkpoints, self.sessions, self.counters = state.checkpoints, state.sessions, state.counters
+        self.counts: dict[str, int] = {}
+        self.next_entry, self.now, self.phase = state.next_entry, state.now, state.phase
+        self.close_result, self.deferred = state.close_result, state.deferred
+
+    def build(self) -> ServiceState:
+        counters = self.counters
+        if self.counts:
+            counts = self.counts
+            counters = Counters(*[getattr(counters, name) + counts.get(name, 0) for name in _COUNTERS])
+        return ServiceState(self.config, self.ram.frozen(), self.disk.frozen(), self.entries, self.leases,
+                            self.projected_bytes, self.writes, self.reading, self.acquiring, self.checkpoints,
+                            self.sessions, counters, self.next_entry, self.now, self.phase, self.close_result,
+                            self.deferred)
+
+    def mark(self) -> tuple:
+        """What an attempt that may fail (making room) can change, to :meth:`rollback` to."""
+        ram, disk = self.ram, self.disk
+        return (self.entries, ram.index, ram.bytes, ram.policy, disk.index, disk.bytes, disk.policy,
+                dict(self.counts))
+
+    def rollback(self, mark: tuple) -> None:
+        ram, disk = self.ram, self.disk
+        (self.entries, ram.index, ram.bytes, ram.policy, disk.index, disk.bytes, disk.policy,
+         self.counts) = mark
+
+    # ------------------------------------------------------------ small edits every concern makes
+
+    def count(self, name: str, by: int = 1) -> None:
+        if by:
+            self.counts[name] = self.counts.get(name, 0) + by
+
+    def set_entry(self, entry: Entry) -> None:
+        self.entries = self.entries.set(entry.id, entry)
+
+    def writes_add(self, count: int, nbytes: int) -> None:
+        self.writes = Writes(self.writes.count + count, self.writes.bytes + nbytes)
+
+    def lease_set(self, lease_id: int, lease: Any) -> None:
+        self.leases = self.leases.set(lease_id, lease)
+
+
+def without(mapping: Any, key: Any) -> Any:
+    """``mapping`` without ``key``, if it has it."""
+    return mapping.delete(key) if key in mapping else mapping

@@ -1,0 +1,144 @@
+"""The service's own lifecycle: the scan at start, flush, close, and the clock and boundaries.
+
+A flush writes every RAM-only entry that fits beside what is saved and answers
+once the writes in flight settle (a ``Sync``); close flushes, then drops every
+RAM copy and lease. The scan at start turns what saved state holds into
+disk-only entries and checkpoint records; what does not fit the disk budget is
+deleted.
+"""
+
+from __future__ import annotations
+
+from kvstate.core import events as ev
+from kvstate.core.checks import ensure_open
+from kvstate.core.draft import Draft, Step
+from kvstate.core.errors import InvalidRequest
+from kvstate.core.replies import FlushResult
+from kvstate.core.requests import publish
+from kvstate.core.report import report
+from kvstate.core.state import (
+    EMPTY, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
+)
+from kvstate.core.tiers import boundary as give_back_one, drop_ram, insert_disk, start_spill, tick as clock_tick
+from kvstate.effects import completions as done
+from kvstate.effects import effects as fx
+
+R = Residence
+
+
+def flush_result(state: ServiceState | Draft) -> FlushResult:
+    ram_only = sum(1 for entry in state.entries.values() if entry.residence in (R.RAM, R.SPILLING))
+    checkpoints_pending = any(r.pending for r in state.checkpoints.values())
+    durable = ram_only == 0 and state.writes.count == 0 and not checkpoints_pending
+    return FlushResult(durable, state.writes.count, state.writes.bytes, ram_only)
+
+
+def _spill_all(d: Draft, out: list) -> None:
+    """Write every RAM-only entry that fits beside what is saved. A flush never trades a durable file
+    for another: that would undo what an earlier flush reported durable, and wear the disk for nothing."""
+    for entry in list(d.entries.values()):
+        current = d.entries.get(entry.id)
+        if current is not None and current.residence is R.RAM:
+            start_spill(d, current, out, bounded=False, evict=False)
+
+
+def flush(state: ServiceState, e: ev.Flush) -> Step:
+    ensure_open(state, "flush")
+    if not state.config.has_disk:
+        return Step(state, (), flush_result(state))
+    d = Draft(state)
+    out: list = []
+    _spill_all(d, out)
+    out.append(fx.Sync())
+    return Step(d.build(), tuple(out), None)
+
+
+def close(state: ServiceState, e: ev.Close) -> Step:
+    if state.phase is Phase.CLOSED:
+        return Step(state, (), state.close_result)
+    if state.phase is Phase.CLOSING:
+        return Step(state, (), None)
+    d = Draft(state)
+    d.phase = Phase.CLOSING
+    if not state.config.has_disk:
+        return _clear(d)
+    out: list = []
+    _spill_all(d, out)
+    out.append(fx.Sync())
+    return Step(d.build(), tuple(out), None)
+
+
+def _clear(d: Draft) -> Step:
+    """The end of close(): the flush's verdict stands; RAM copies and leases go, saved state stays."""
+    result = flush_result(d)
+    out: list = []
+    for entry in list(d.entries.values()):
+        current = d.entries[entry.id]
+        if current.residence in (R.RAM, R.BOTH):
+            drop_ram(d, current, out)
+    d.leases, d.projected_bytes, d.sessions = EMPTY, 0, EMPTY
+    d.phase, d.close_result, d.deferred = Phase.CLOSED, result, None
+    return Step(d.build(), tuple(out), result)
+
+
+def synced(state: ServiceState, e: done.Synced) -> Step:
+    """The writes in flight settled: close goes on, a publish waiting on them is decided, a flush answers."""
+    if state.phase is Phase.CLOSING:
+        return _clear(Draft(state))
+    if state.deferred is not None:
+        d = Draft(state)
+        d.deferred = None
+        return publish(d.build(), state.deferred, may_wait=False)
+    return Step(state, (), flush_result(state))
+
+
+def boundary(state: ServiceState, e: ev.Boundary) -> Step:
+    d = Draft(state)
+    out, reply = give_back_one(d, e.pressure)
+    return Step(d.build(), tuple(out), reply)
+
+
+def tick(state: ServiceState, e: ev.Tick) -> Step:
+    if not isinstance(e.now, (int, float)):
+        raise InvalidRequest(f"tick needs a number of seconds, got {e.now!r}")
+    d = Draft(state)
+    out = clock_tick(d, e.now)
+    return Step(d.build(), tuple(out), None)
+
+
+def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:
+    return Step(state, (), report(state))
+
+
+def scanned(state: ServiceState, e: ev.Scanned) -> Step:
+    """Saved state found at start becomes disk-only entries (what does not fit the disk budget is deleted)."""
+    capacity = state.config.disk_capacity_bytes
+    if capacity is None:
+        return Step(state, (), None)
+    d = Draft(state)
+    out: list = []
+    # Checkpoints first: they hold generations in progress.
+    for saved in e.checkpoints:
+        if saved.meta.key in d.checkpoints:
+            continue
+        if d.disk.bytes + saved.file_bytes > capacity:
+            out.append(fx.DeleteCheckpoint(saved.meta.key))
+            continue
+        d.checkpoints = d.checkpoints.set(saved.meta.key, CheckpointRecord(
+            saved.meta.namespace, durable_tokens=saved.tokens, file_bytes=saved.file_bytes))
+        d.disk.bytes += saved.file_bytes
+    for record in e.records:
+        namespace = record.namespace if record.namespace == OBJECTS else check_namespace(record.namespace)
+        if d.disk.index.exact(namespace, record.tokens) is not None:
+            continue
+        if d.disk.bytes + record.file_bytes > capacity:
+            out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
+            continue
+        entry = Entry(d.next_entry, namespace, record.tokens, record.nbytes, record.trimmable, R.DISK, d.now, None,
+                      False, content_tag(namespace, record.tokens), file_bytes=record.file_bytes)
+        d.set_entry(entry)
+        d.next_entry = entry.id + 1
+        d.disk.bytes += entry.file_bytes
+        insert_disk(d, entry)
+    d.count("rejected_files", e.rejected)
+    return Step(d.build(), tuple(out), None)

@@ -1,0 +1,109 @@
+"""Requests and admission: admit under the KV budget, publish, release, sessions.
+
+Admission charges a request its projected bytes (prompt + max_tokens, from the
+model geometry) until release. Publish hands kept state to the tiers; when RAM
+is full only of entries pinned by writes in flight, it waits for them
+(backpressure: a :class:`~kvstate.core.replies.Pending` reply and a ``Sync``),
+then keeps or drops the state once they settle.
+"""
+
+from __future__ import annotations
+
+from kvstate.core import events as ev
+from kvstate.core.checkpoints import forget_checkpoint
+from kvstate.core.checks import (
+    check_budget, check_context, check_sizes, ensure_open, keeps, projected_bytes,
+)
+from kvstate.core.draft import Draft, Step, without
+from kvstate.core.errors import InvalidRequest, RequestKeepsNoState, TokensDoNotMatchCaches
+from kvstate.core.replies import Admission, NotKept, NotKeptReason, Pending
+from kvstate.core.state import Lease, Phase, ServiceState, check_namespace, request_check
+from kvstate.core.tiers import keep
+from kvstate.effects import effects as fx
+
+
+def admit(state: ServiceState, e: ev.Admit):
+    ensure_open(state, "admit")
+    request = request_check(e.request)
+    check_context(state, request)
+    need = projected_bytes(state, request)
+    check_budget(state, request, need)
+    lease = state.leases.get(e.lease)
+    if lease is not None and lease.admitted:
+        return Step(state, (), Admission.ADMITTED)
+    budget = state.config.kv_budget_bytes
+    if budget is not None and state.projected_bytes + need > budget:
+        return Step(state, (), Admission.WAIT)
+    d = Draft(state)
+    d.lease_set(e.lease, Lease(request, admitted_bytes=need, admitted=True) if lease is None
+                else Lease(lease.request, need, True, lease.acquired, lease.namespace, lease.pending_handle,
+                           lease.checkpoint_key))
+    d.projected_bytes += need
+    return Step(d.build(), (), Admission.ADMITTED)
+
+
+def fits(state: ServiceState, e: ev.Fits):
+    request = request_check(e.request)
+    limit = state.config.model.context_limit
+    if state.phase is not Phase.OPEN or (limit is not None and len(request.prompt) + request.max_tokens > limit):
+        return Step(state, (), False)
+    budget = state.config.kv_budget_bytes
+    return Step(state, (), budget is None or state.projected_bytes + projected_bytes(state, request) <= budget)
+
+
+def keeps_query(state: ServiceState, e: ev.Keeps):
+    return Step(state, (), keeps(state, request_check(e.request)))
+
+
+def publish(state: ServiceState, e: ev.Publish, may_wait: bool = True):
+    """Keep published state, or drop it; with RAM full of entries pinned by writes in flight, wait."""
+    ensure_open(state, "publish")
+    request = request_check(e.request)
+    namespace = check_namespace(e.namespace)
+    if not keeps(state, request):
+        why = ("its prefix has no identity (reuses_prefix=False)" if not request.reuses_prefix
+               else "the service keeps no prefixes (RAM capacity 0)")
+        raise RequestKeepsNoState(f"this service keeps no state for the request: {why}; check keeps() first")
+    if e.covered != len(e.tokens):
+        raise TokensDoNotMatchCaches(f"published {len(e.tokens)} tokens with caches covering {e.covered}; "
+                                     f"publish exactly the tokens the caches hold")
+    check_sizes(e.nbytes, e.file_bytes)
+    protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
+    d = Draft(state)
+    out, reply = keep(d, namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
+                      protected, notify=True)
+    if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
+        # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
+        d = Draft(state)
+        d.deferred = e
+        return Step(d.build(), (fx.Sync(),), Pending())
+    return Step(d.build(), tuple(out), reply)
+
+
+def release(state: ServiceState, e: ev.Release):
+    lease = state.leases.get(e.lease)
+    if lease is None:
+        return Step(state, (), None)  # a second release is a no-op
+    if not isinstance(e.completed, bool):
+        raise InvalidRequest(f"completed must be True or False, got {e.completed!r}")
+    d = Draft(state)
+    d.leases = d.leases.delete(e.lease)
+    d.projected_bytes -= lease.admitted_bytes
+    if lease.pending_handle is not None:
+        d.acquiring = without(d.acquiring, lease.pending_handle)
+    out: list = []
+    key = lease.checkpoint_key
+    if e.completed and key is not None and key in state.checkpoints:
+        out.append(fx.DeleteCheckpoint(key))
+        forget_checkpoint(d, key)
+    return Step(d.build(), tuple(out), None)
+
+
+def close_session(state: ServiceState, e: ev.CloseSession):
+    if not isinstance(e.session_id, str):
+        raise InvalidRequest(f"session id must be a string, got {e.session_id!r}")
+    if e.session_id not in state.sessions:
+        return Step(state, (), None)
+    d = Draft(state)
+    d.sessions = d.sessions.delete(e.session_id)
+    return Step(d.build(), (), None)

@@ -1,0 +1,174 @@
+"""Reuse: what ``acquire`` hands a request, and the reads it waits on.
+
+A resumable generation resumes its durable checkpoint. Otherwise the longest
+usable prefix serves: RAM first, disk only when strictly longer; trimmable
+entries serve any shorter prefix, others only their exact length; one prompt
+token is always left to compute; namespaces never mix; on a tie a session's own
+state wins. A read from disk parks the acquire (:class:`~kvstate.core.replies.Pending`,
+a :class:`~kvstate.core.state.Waiting` record) until its completion arrives.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvstate.core import events as ev
+from kvstate.core.checks import ensure_open, keeps
+from kvstate.core.draft import Draft, Step, without
+from kvstate.core.errors import RequestAlreadyAcquired
+from kvstate.core.prefix_index import common_prefix
+from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
+from kvstate.core.request import Request
+from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
+from kvstate.core.tiers import reject, touch, unpin
+from kvstate.effects import completions as done
+from kvstate.effects import effects as fx
+
+
+def checkpoint_key(state: ServiceState, namespace: str, key: str) -> str:
+    """A generation's checkpoint key: its namespace and the service identity are part of it."""
+    return f"{namespace}\x1f{state.config.identity}\x1f{key}"
+
+
+def usable_length(entry: Entry, prompt: tuple[int, ...]) -> int:
+    """Prompt tokens ``entry`` can serve (the reuse rules, for one entry)."""
+    limit = len(prompt) - 1
+    if entry.trimmable:
+        return min(common_prefix(entry.tokens, prompt, 0), limit)
+    n = len(entry.tokens)
+    return n if n <= limit and prompt[:n] == entry.tokens else 0
+
+
+def acquire(state: ServiceState, e: ev.Acquire) -> Step:
+    ensure_open(state, "acquire")
+    request = request_check(e.request)
+    namespace = check_namespace(e.namespace)
+    lease = state.leases.get(e.lease) or Lease(request)
+    if lease.acquired or lease.pending_handle is not None:
+        raise RequestAlreadyAcquired("this request already holds its state; release it before acquiring again")
+    key = None
+    if request.continuation is not None and state.config.checkpoints:
+        key = checkpoint_key(state, namespace, request.continuation.key)
+    d = Draft(state)
+    d.lease_set(e.lease, attrs.evolve(lease, namespace=namespace, checkpoint_key=key))
+    record = state.checkpoints.get(key) if key is not None else None
+    out: list = []
+    if record is not None and record.durable_tokens > 0:
+        out.append(fx.ResumeCheckpoint(key, e.handle))
+        reply = wait_for(d, e.lease, e.handle, 0)
+    else:
+        reply = plan_acquire(d, e.lease, e.handle, out)
+    return Step(d.build(), tuple(out), reply)
+
+
+def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int) -> Pending:
+    """Park an acquire (or an object get: ``lease_id`` None) until the read into ``handle`` completes."""
+    if lease_id is not None:
+        d.lease_set(lease_id, attrs.evolve(d.leases[lease_id], pending_handle=handle))
+    d.acquiring = d.acquiring.set(handle, Waiting(lease_id, tokens))
+    return Pending(handle)
+
+
+def plan_acquire(d: Draft, lease_id: int, handle: int, out: list) -> Acquired | Pending:
+    """The longest usable prefix (RAM first, disk if strictly longer), else fresh caches."""
+    lease = d.leases[lease_id]
+    request, namespace = lease.request, lease.namespace
+    if not keeps(d, request):
+        out.append(fx.MakeFresh(handle))
+        return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None, count=False)
+    ram_len, ram_entry = d.ram.index.longest(namespace, request.prompt)
+    disk_len, disk_entry = d.disk.index.longest(namespace, request.prompt) if d.config.has_disk else (0, None)
+    best = max(ram_len, disk_len)
+    own = _session_entry(d, request, namespace)
+    if own is not None and best > 0 and usable_length(own, request.prompt) >= best:
+        # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
+        if own.residence in IN_RAM:
+            ram_len, ram_entry, disk_len = best, own.id, 0
+        else:
+            disk_len, disk_entry, ram_len = best, own.id, 0
+    if disk_len > ram_len:
+        entry = d.entries[disk_entry]
+        out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))
+        d.reading = d.reading.set(entry.id, d.reading.get(entry.id, 0) + 1)
+        return wait_for(d, lease_id, handle, disk_len)
+    if ram_len > 0:
+        entry = d.entries[ram_entry]
+        out.append(fx.CloneEntry(entry.id, ram_len, handle))
+        touch(d, entry)
+        return finish_acquire(d, lease_id, handle, ram_len, Source.RAM, entry.id)
+    out.append(fx.MakeFresh(handle))
+    return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None)
+
+
+def _session_entry(d: Draft, request: Request, namespace: str) -> Entry | None:
+    """The entry ``request``'s session last kept, if it is still held in ``namespace``."""
+    if request.session_id is None:
+        return None
+    kept = d.sessions.get(request.session_id)
+    if kept is None or kept[0] != namespace:
+        return None
+    entry_id = d.ram.index.exact(*kept)
+    if entry_id is None and d.config.has_disk:
+        entry_id = d.disk.index.exact(*kept)
+    return d.entries.get(entry_id) if entry_id is not None else None
+
+
+def finish_acquire(d: Draft, lease_id: int, handle: int, reused: int, source: Source, entry: int | None,
+                   count: bool = True, resumed: fx.CheckpointMeta | None = None,
+                   resumed_tokens: tuple[int, ...] = ()) -> Acquired:
+    """The lease holds its state now: counted as a hit or a miss (and a session hit or miss)."""
+    lease = d.leases[lease_id]
+    d.lease_set(lease_id, attrs.evolve(lease, acquired=True, pending_handle=None))
+    d.acquiring = without(d.acquiring, handle)
+    if count:
+        hit = reused > 0
+        d.count("hits" if hit else "misses")
+        d.count("prefill_tokens_saved", reused)
+        session = lease.request.session_id
+        if session is not None and session in d.sessions and source is not Source.CHECKPOINT:
+            source_entry = d.entries.get(entry) if entry is not None else None
+            own = source_entry is not None and d.sessions[session] == (source_entry.namespace, source_entry.tokens)
+            d.count("session_hits" if own else "session_misses")
+    return Acquired(lease_id, handle, reused, source, resumed, resumed_tokens)
+
+
+def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
+    d = Draft(state)
+    unpin(d, e.entry)
+    waiting = d.acquiring.get(e.handle)
+    if waiting is None:
+        return Step(d.build(), (fx.DropPublished(e.handle),), None)
+    entry = d.entries.get(e.entry)
+    if waiting.lease is None:  # an object read from disk
+        d.acquiring = without(d.acquiring, e.handle)
+        if entry is not None:
+            touch(d, entry, disk=True)
+        d.count("object_hits")
+        d.count("object_restores")
+        return Step(d.build(), (), ObjectFound(e.handle, Source.DISK))
+    if entry is not None:
+        touch(d, entry, disk=True)
+    d.count("restores")
+    reply = finish_acquire(d, waiting.lease, e.handle, waiting.tokens, Source.DISK, e.entry)
+    return Step(d.build(), (), reply)
+
+
+def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
+    d = Draft(state)
+    unpin(d, e.entry)
+    out: list = []
+    reject(d, e.entry, out)
+    waiting = d.acquiring.get(e.handle)
+    if waiting is None:
+        return Step(d.build(), tuple(out), None)
+    d.acquiring = without(d.acquiring, e.handle)
+    if waiting.lease is None:  # an object whose file was rejected: a miss
+        d.count("object_misses")
+        return Step(d.build(), tuple(out), ObjectMissing())
+    reply = plan_acquire(d, waiting.lease, e.handle, out)
+    return Step(d.build(), tuple(out), reply)
+
+
+def peek(state: ServiceState, e: ev.PeekPrefixLen) -> Step:
+    namespace = check_namespace(e.namespace)
+    return Step(state, (), state.ram.index.longest(namespace, e.prompt)[0])

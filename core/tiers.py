@@ -1,0 +1,340 @@
+"""The tiers: keeping published state, eviction, spilling to disk, giving RAM back, idle demotion,
+prefetch, and rejected files.
+
+Every move of an entry between residences goes through :func:`~kvstate.core.state.moved`, so the
+lifecycle table is the only place that says which moves exist. One eviction rule serves both tiers
+(:func:`victim`): the policy names the victim among evictable entries, unprotected ones first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+from kvstate.core.draft import Draft, TierDraft
+from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
+from kvstate.core.state import Entry, Move, Phase, Residence, ServiceState, content_tag, moved
+from kvstate.effects import completions as done
+from kvstate.effects import effects as fx
+
+R = Residence
+Evictable = Callable[[Entry], bool]
+
+
+# ---------------------------------------------------------------- eviction
+
+
+def victim(tier: TierDraft, entries, evictable: Evictable, protect: bool) -> tuple[object, int | None]:
+    """The policy's next victim among ``evictable`` entries and its policy state after choosing;
+    with ``protect``, protected entries are chosen only once no other is left."""
+    passes = (False, True) if protect else (True,)
+    for protected_too in passes:
+        def candidate(key: int) -> bool:
+            entry = entries.get(key)
+            return entry is not None and evictable(entry) and (protected_too or not entry.protected)
+        policy, chosen = tier.strategy.evict(tier.policy, candidate)
+        if chosen is not None:
+            return policy, chosen
+    return tier.policy, None
+
+
+def in_ram_evictable(entry: Entry) -> bool:
+    return entry.residence in (R.RAM, R.BOTH)
+
+
+def make_ram_room(d: Draft, need: int, out: list) -> bool:
+    """Evict until ``need`` more bytes fit in RAM; False, with nothing changed, when pinned entries forbid."""
+    return _make_room(d, d.ram, need, out, in_ram_evictable, True, drop_ram, "evictions")
+
+
+def make_disk_room(d: Draft, need: int, out: list) -> bool:
+    """Evict saved state until ``need`` more bytes fit on disk; False, nothing changed, when pinned files forbid."""
+    reading = d.reading
+
+    def evictable(entry: Entry) -> bool:
+        return entry.residence in (R.BOTH, R.DISK) and entry.id not in reading
+    return _make_room(d, d.disk, need, out, evictable, False, lambda d, e, o: drop_disk(d, e, o, delete=True),
+                      "disk_evictions")
+
+
+def _make_room(d: Draft, tier: TierDraft, need: int, out: list, evictable: Evictable, protect: bool,
+               drop: Callable[[Draft, Entry, list], None], counter: str) -> bool:
+    if need > tier.capacity:
+        return False
+    if tier.bytes + need <= tier.capacity:
+        return True
+    mark = d.mark()
+    local: list = []
+    while tier.bytes + need > tier.capacity:
+        policy, chosen = victim(tier, d.entries, evictable, protect)
+        if chosen is None:
+            d.rollback(mark)
+            return False
+        tier.policy = policy
+        drop(d, d.entries[chosen], local)
+        d.count(counter)
+    out.extend(local)
+    return True
+
+
+# ---------------------------------------------------------------- entries in and out of a tier
+
+
+def drop_ram(d: Draft, entry: Entry, out: list) -> None:
+    """Release ``entry``'s RAM copy: gone if it had no disk copy, disk-only otherwise."""
+    after = moved(entry.residence, Move.DROP_RAM)
+    out.append(fx.DropEntry(entry.id))
+    ram = d.ram
+    ram.index = ram.index.remove(entry.namespace, entry.tokens)
+    ram.bytes -= entry.nbytes
+    ram.policy = ram.strategy.removed(ram.policy, entry.id)
+    if after is None:
+        d.entries = d.entries.delete(entry.id)
+    else:
+        d.set_entry(attrs.evolve(entry, residence=after, demote=False))
+
+
+def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
+    """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one."""
+    after = moved(entry.residence, Move.DROP_DISK if entry.residence is not R.PREFETCHING else Move.READ_FAILED)
+    if delete:
+        out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
+    disk = d.disk
+    disk.index = disk.index.remove(entry.namespace, entry.tokens)
+    disk.bytes -= entry.file_bytes
+    disk.policy = disk.strategy.removed(disk.policy, entry.id)
+    if after is None:
+        d.entries = d.entries.delete(entry.id)
+    else:
+        d.set_entry(attrs.evolve(entry, residence=after))
+
+
+def insert_ram(d: Draft, entry: Entry) -> None:
+    """Index ``entry`` (already set in a RAM residence) and tell the policy."""
+    ram = d.ram
+    ram.index = ram.index.insert(entry.namespace, entry.tokens, entry.id, entry.trimmable)
+    ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, len(entry.tokens), entry.tag)
+
+
+def insert_disk(d: Draft, entry: Entry) -> None:
+    disk = d.disk
+    disk.index = disk.index.insert(entry.namespace, entry.tokens, entry.id, entry.trimmable)
+    disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, len(entry.tokens), entry.tag)
+
+
+def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
+    """``entry`` was used now: its stamp, and the policy of the tier that served it."""
+    d.set_entry(attrs.evolve(entry, last_used=d.now))
+    tier = d.disk if disk else d.ram
+    tier.policy = tier.strategy.accessed(tier.policy, entry.id)
+
+
+def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded: bool = True,
+                evict: bool = True) -> None:
+    """Start writing RAM-only ``entry`` to disk, making disk room (evicting saved state only when
+    ``evict``); a full queue or disk drops the write."""
+    if bounded and d.writes.bytes + entry.nbytes > d.config.write_queue_bytes:
+        d.count("dropped_writes")
+        return
+    if not evict and d.disk.bytes + entry.file_bytes > d.disk.capacity:
+        d.count("dropped_writes")
+        return
+    if not make_disk_room(d, entry.file_bytes, out):
+        d.count("dropped_writes")
+        return
+    entry = d.entries[entry.id]
+    d.disk.bytes += entry.file_bytes
+    d.writes_add(1, entry.nbytes)
+    out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
+                             entry.file_bytes))
+    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
+
+
+# ---------------------------------------------------------------- keeping published state
+
+
+def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes: int, file_bytes: int,
+         trimmable: bool, session: str | None, protected: bool, notify: bool) -> tuple[list, object]:
+    """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it;
+    the effects and the reply."""
+    existing = d.ram.index.exact(namespace, tokens)
+    if existing is not None:
+        touch(d, d.entries[existing])
+        d.count("duplicates")
+        if session is not None:
+            d.sessions = d.sessions.set(session, (namespace, tokens))
+        return [fx.DropPublished(handle)], Kept(existing, duplicate=True)
+    out: list = []
+    if not make_ram_room(d, nbytes, out):
+        reason = NotKeptReason.TOO_LARGE if nbytes > d.ram.capacity else NotKeptReason.NO_ROOM
+        d.count("not_kept")
+        return [fx.DropPublished(handle)], NotKept(reason)
+    saved = d.disk.index.exact(namespace, tokens) if d.config.has_disk else None
+    if saved is not None and d.entries[saved].residence is R.PREFETCHING:
+        out.append(fx.DropPublished(handle))
+        d.count("duplicates")
+        return out, Kept(saved, duplicate=True)
+    if saved is not None:
+        entry = d.entries[saved]
+        entry = attrs.evolve(entry, residence=moved(entry.residence, Move.ADOPT), last_used=d.now)
+        d.set_entry(entry)
+        insert_ram(d, entry)
+        d.ram.bytes += entry.nbytes
+        out.append(fx.AdoptPublished(handle, entry.id))
+    else:
+        entry = Entry(d.next_entry, namespace, tokens, nbytes, trimmable, R.RAM, d.now, session, protected,
+                      content_tag(namespace, tokens), file_bytes=file_bytes)
+        d.set_entry(entry)
+        d.next_entry = entry.id + 1
+        d.ram.bytes += nbytes
+        insert_ram(d, entry)
+        out.append(fx.AdoptPublished(handle, entry.id))
+        if d.config.has_disk and d.config.write_behind:
+            start_spill(d, entry, out)
+    if session is not None:
+        d.sessions = d.sessions.set(session, (namespace, tokens))
+    if notify:
+        out.append(fx.NotifyKept(fx.DiskKey(namespace, tokens)))
+    d.count("kept")
+    return out, Kept(entry.id)
+
+
+def spill_done(d: Draft, e: done.SpillDone) -> tuple[list, object]:
+    entry = d.entries.get(e.entry)
+    if entry is None or entry.residence is not R.SPILLING:
+        return [], None
+    d.writes_add(-1, -entry.nbytes)
+    written = attrs.evolve(entry, residence=moved(entry.residence, Move.WRITTEN))
+    d.set_entry(written)
+    insert_disk(d, written)
+    d.count("spills")
+    out: list = []
+    if entry.demote:
+        drop_ram(d, written, out)
+        d.count("demotions")
+    return out, None
+
+
+def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
+    entry = d.entries.get(e.entry)
+    if entry is None or entry.residence is not R.SPILLING:
+        return [], None
+    d.writes_add(-1, -entry.nbytes)
+    d.disk.bytes -= entry.file_bytes
+    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), demote=False))
+    d.count("failed_writes")
+    return [], None
+
+
+# ---------------------------------------------------------------- giving RAM back
+
+
+def give_back(d: Draft, entry: Entry, out: list) -> None:
+    """Release ``entry``'s RAM, spilling it first when it has no durable copy and a disk tier exists."""
+    if entry.residence is R.RAM and d.config.has_disk:
+        start_spill(d, entry, out, demote=True)
+        if d.entries[entry.id].residence is R.SPILLING:
+            return
+    drop_ram(d, d.entries[entry.id], out)
+    d.count("demotions")
+
+
+def boundary(d: Draft, pressure: bool) -> tuple[list, object]:
+    """Under pressure give back one entry (the policy's victim); the facade repeats while pressure lasts."""
+    if not pressure or d.phase is not Phase.OPEN:
+        return [], GaveBack(0, 0)
+    # The policy names the victim; its own bookkeeping follows the entry's fate in give_back
+    # (an entry that starts spilling stays known to the policy, pinned until its write settles).
+    _, chosen = victim(d.ram, d.entries, in_ram_evictable, protect=True)
+    if chosen is None:
+        return [], GaveBack(0, 0)
+    entry = d.entries[chosen]
+    out: list = []
+    give_back(d, entry, out)
+    return out, GaveBack(1, entry.nbytes)
+
+
+def optional_bytes(state: ServiceState) -> int:
+    """Memory optional state holds, as memory pressure sees it: kept RAM entries (less those already
+    being given back: their RAM copy goes once their write is durable), plus checkpoint writes queued.
+    A spill in flight is the RAM entry's own memory, so it is not counted twice."""
+    releasing = sum(e.nbytes for e in state.entries.values() if e.demote and e.residence is R.SPILLING)
+    checkpoints = sum(record.pending_bytes for record in state.checkpoints.values())
+    return state.ram.bytes - releasing + checkpoints
+
+
+def tick(d: Draft, now: float) -> list:
+    """The clock reads ``now``: entries idle past the demotion threshold are given back."""
+    d.now = max(d.now, float(now))
+    after = d.config.demote_idle_after
+    if after is None or not d.config.has_disk or d.phase is not Phase.OPEN:
+        return []
+    out: list = []
+    for entry in list(d.entries.values()):
+        if entry.last_used > d.now - after:
+            continue
+        current = d.entries[entry.id]
+        if current.residence is R.SPILLING:
+            d.set_entry(attrs.evolve(current, demote=True))
+        elif current.residence in (R.RAM, R.BOTH):
+            give_back(d, current, out)
+    return out
+
+
+# ---------------------------------------------------------------- prefetch and rejected files
+
+
+def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> tuple[list, object]:
+    if not d.config.has_disk or d.ram.capacity == 0:
+        return [], False
+    disk_len, disk_entry = d.disk.index.longest(namespace, prompt)
+    ram_len, _ = d.ram.index.longest(namespace, prompt)
+    if disk_len <= ram_len:
+        return [], False
+    entry = d.entries[disk_entry]
+    if entry.residence is not R.DISK or disk_entry in d.reading:
+        return [], False
+    out: list = []
+    if not make_ram_room(d, entry.nbytes, out):
+        return [], False
+    entry = attrs.evolve(d.entries[entry.id], residence=moved(R.DISK, Move.PREFETCH))
+    d.set_entry(entry)
+    d.ram.bytes += entry.nbytes
+    out.append(fx.PrefetchEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens)))
+    return out, True
+
+
+def prefetch_done(d: Draft, e: done.PrefetchDone) -> tuple[list, object]:
+    entry = d.entries.get(e.entry)
+    if entry is None or entry.residence is not R.PREFETCHING:
+        return [], None
+    entry = attrs.evolve(entry, residence=moved(entry.residence, Move.READ), last_used=d.now)
+    d.set_entry(entry)
+    insert_ram(d, entry)
+    d.count("prefetches")
+    return [], None
+
+
+def reject(d: Draft, entry_id: int, out: list) -> None:
+    """A saved file failed to read: forget it (the interpreter moved it aside) and count it."""
+    entry = d.entries.get(entry_id)
+    d.count("rejected_files")
+    if entry is None or entry.residence not in (R.BOTH, R.DISK, R.PREFETCHING):
+        return
+    if entry.residence is R.PREFETCHING:
+        d.ram.bytes -= entry.nbytes
+    drop_disk(d, entry, out, delete=False)
+
+
+def prefetch_failed(d: Draft, e: done.PrefetchFailed) -> tuple[list, object]:
+    out: list = []
+    reject(d, e.entry, out)
+    return out, None
+
+
+def unpin(d: Draft, entry_id: int) -> None:
+    """One restore of ``entry_id`` is over: one pin fewer on its file."""
+    count = d.reading.get(entry_id, 0)
+    d.reading = d.reading.set(entry_id, count - 1) if count > 1 else (
+        d.reading.delete(entry_id) if entry_id in d.reading else d.reading)
