@@ -1,6 +1,6 @@
 """The inputs of ``step``: one event per call of the scheduler port, the clock, and the scan.
 
-Completion events of effects are in :mod:`kvstate.effects.completions`.
+Completion events of effects, the scan's among them, are in :mod:`kvstate.effects.completions`.
 Leases and handles are ints the facade assigns: a lease names a live request,
 a handle names caches in transit to or from the interpreter.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import attrs
 
 from kvstate.core.request import Request
-from kvstate.effects.effects import CheckpointMeta
 
 
 class Event:
@@ -158,34 +157,3 @@ class Flush(Event):
 @attrs.frozen
 class Close(Event):
     """Flush, then clear RAM state; idempotent."""
-
-
-@attrs.frozen
-class SavedRecord:
-    """One prefix saved state holds, as a scan of its headers found it."""
-
-    namespace: str
-    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    #: The bytes its state takes in RAM once restored, and the bytes its file takes on disk.
-    nbytes: int
-    trimmable: bool
-    file_bytes: int
-
-
-@attrs.frozen
-class SavedCheckpoint:
-    """One durable generation checkpoint, as a scan of its header found it."""
-
-    meta: CheckpointMeta
-    tokens: int
-    file_bytes: int
-
-
-@attrs.frozen
-class Scanned(Event):
-    """At start: what saved state already holds (prefixes and durable checkpoints)."""
-
-    records: tuple[SavedRecord, ...] = ()
-    checkpoints: tuple[SavedCheckpoint, ...] = ()
-    #: Files the scan rejected (foreign, corrupt) and moved aside.
-    rejected: int = 0

@@ -110,7 +110,7 @@ def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:
     return Step(state, (), report(state))
 
 
-def scanned(state: ServiceState, e: ev.Scanned) -> Step:
+def scanned(state: ServiceState, e: done.Scanned) -> Step:
     """Saved state found at start becomes disk-only entries (what does not fit the disk budget is deleted)."""
     capacity = state.config.disk_capacity_bytes
     if capacity is None:

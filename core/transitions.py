@@ -76,7 +76,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.ReportQuery: lifecycle.report_query,
     ev.Flush: lifecycle.flush,
     ev.Close: lifecycle.close,
-    ev.Scanned: lifecycle.scanned,
+    done.Scanned: lifecycle.scanned,
     done.SpillDone: _on_draft(tiers.spill_done),
     done.SpillFailed: _on_draft(tiers.spill_failed),
     done.PrefetchDone: _on_draft(tiers.prefetch_done),

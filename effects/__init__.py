@@ -11,7 +11,8 @@ from kvstate.effects.effects import (
 )
 from kvstate.effects.completions import (
     CheckpointFailed, CheckpointResumed, CheckpointWritten, Completion, FailureReason, PrefetchDone,
-    PrefetchFailed, RestoreDone, RestoreFailed, ResumeFailed, SpillDone, SpillFailed, Synced,
+    PrefetchFailed, RestoreDone, RestoreFailed, ResumeFailed, SavedCheckpoint, SavedRecord, Scanned, SpillDone,
+    SpillFailed, Synced,
 )
 
 __all__ = [
@@ -20,5 +21,5 @@ __all__ = [
     "Sync", "WriteCheckpoint", "CheckpointMeta",
     "CheckpointFailed", "CheckpointResumed", "CheckpointWritten", "Completion", "FailureReason",
     "PrefetchDone", "PrefetchFailed", "RestoreDone", "RestoreFailed", "ResumeFailed", "SpillDone",
-    "SpillFailed", "Synced",
+    "SpillFailed", "Synced", "SavedCheckpoint", "SavedRecord", "Scanned",
 ]

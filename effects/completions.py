@@ -117,3 +117,34 @@ class ResumeFailed(Completion):
 @attrs.frozen
 class Synced(Completion):
     """Every write started before the :class:`~kvstate.effects.Sync` has completed or failed."""
+
+
+@attrs.frozen
+class SavedRecord:
+    """One prefix saved state holds, as a scan of its headers found it."""
+
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    #: The bytes its state takes in RAM once restored, and the bytes its file takes on disk.
+    nbytes: int
+    trimmable: bool
+    file_bytes: int
+
+
+@attrs.frozen
+class SavedCheckpoint:
+    """One durable generation checkpoint, as a scan of its header found it."""
+
+    meta: CheckpointMeta
+    tokens: int
+    file_bytes: int
+
+
+@attrs.frozen
+class Scanned(Completion):
+    """At start: what saved state already holds (prefixes and durable checkpoints)."""
+
+    records: tuple[SavedRecord, ...] = ()
+    checkpoints: tuple[SavedCheckpoint, ...] = ()
+    #: Files the scan rejected (foreign, corrupt) and moved aside.
+    rejected: int = 0

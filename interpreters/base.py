@@ -1,8 +1,23 @@
-"""What every interpreter shares: the facts it measures of caches handed in."""
+"""The one interpreter contract: what the facade calls, and which method performs each effect.
+
+The core names caches and kept entries by ints; an interpreter owns the objects
+behind them. :class:`Interpreter` is what the facade needs of one.
+:data:`PERFORMERS` maps every effect to the method that carries it out, the
+same for every interpreter, so a new effect is one line here and one method
+in each interpreter (a test checks that none is missing). :class:`HeldState`
+holds what every interpreter holds alike: caches in transit (handles), kept
+RAM entries, observers, and the performers that only move them around.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Protocol, runtime_checkable
+
 import attrs
+
+from kvstate.core.errors import KvStateError
+from kvstate.effects import effects as fx
+from kvstate.effects.completions import Scanned
 
 
 @attrs.frozen
@@ -12,3 +27,119 @@ class CacheFacts:
     covered: int | None
     nbytes: int
     trimmable: bool
+
+
+class InterpreterError(KvStateError, AssertionError):
+    """An effect the interpreter cannot carry out: the core asked for something impossible (a bug)."""
+
+
+#: Each effect, and the name of the interpreter method that performs it (returning its completions).
+PERFORMERS: dict[type, str] = {
+    fx.MakeFresh: "_make_fresh",
+    fx.CloneEntry: "_clone_entry",
+    fx.AdoptPublished: "_adopt_published",
+    fx.DropPublished: "_drop_published",
+    fx.DropEntry: "_drop_entry",
+    fx.SpillEntry: "_spill_entry",
+    fx.RestoreEntry: "_restore_entry",
+    fx.PrefetchEntry: "_prefetch_entry",
+    fx.DeleteFile: "_delete_file",
+    fx.NotifyKept: "_notify_kept",
+    fx.WriteCheckpoint: "_write_checkpoint",
+    fx.DeleteCheckpoint: "_delete_checkpoint",
+    fx.ResumeCheckpoint: "_resume_checkpoint",
+    fx.Sync: "_sync",
+}
+
+
+@runtime_checkable
+class Interpreter(Protocol):
+    """What the service facade needs of an interpreter."""
+
+    observers: list[Callable[[tuple[int, ...], str], None]]
+
+    @property
+    def now(self) -> float:
+        """The interpreter's clock, in seconds (the facade feeds it to the core as a tick)."""
+
+    def fresh(self) -> Any:
+        """The model's empty caches."""
+
+    def stage(self, handle: int, caches: object) -> CacheFacts:
+        """Hold caches a caller hands in under ``handle`` and measure them."""
+
+    def stage_object(self, handle: int, value: object) -> int:
+        """Hold a tensor object under ``handle``; its bytes."""
+
+    def file_bytes(self, handle: int, key: fx.DiskKey, facts: CacheFacts) -> int:
+        """The bytes the file of the state staged under ``handle`` would take."""
+
+    def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
+        """The bytes the checkpoint file of the caches staged under ``handle`` would take."""
+
+    def take(self, handle: int) -> Any:
+        """Hand the caches under ``handle`` to the caller."""
+
+    def take_object(self, handle: int) -> Any:
+        """Hand the object under ``handle`` to the caller."""
+
+    def unstage(self, handle: int) -> object:
+        """Give back caches staged under ``handle`` (the call that staged them failed)."""
+
+    def scan(self) -> Scanned:
+        """What saved state holds at start."""
+
+    def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(namespace, tokens)`` of every saved prefix, read without changing anything."""
+
+    def perform(self, effect: fx.Effect) -> list:
+        """Carry out ``effect``; the completion events it produced now."""
+
+    def poll(self) -> list:
+        """Completions of background work finished since the last poll."""
+
+    def close(self) -> None:
+        """The service closed: release what the interpreter holds. Idempotent."""
+
+
+class HeldState:
+    """Handles and RAM entries, the performers that only move them around, and the dispatch."""
+
+    #: A name for messages ("the simulator", "the MLX interpreter").
+    name = "the interpreter"
+
+    def __init__(self) -> None:
+        self._ram: dict[int, Any] = {}
+        self._handles: dict[int, Any] = {}
+        self.observers: list[Callable[[tuple[int, ...], str], None]] = []
+        self._performers: dict[type, Callable[[Any], list]] = {
+            effect: getattr(self, method) for effect, method in PERFORMERS.items()}
+
+    def perform(self, effect: fx.Effect) -> list:
+        """Carry out ``effect``; the completion events it produced now."""
+        performer = self._performers.get(type(effect))
+        if performer is None:
+            raise InterpreterError(f"{self.name} has no performer for {type(effect).__name__}")
+        return performer(effect)
+
+    def unstage(self, handle: int) -> object:
+        """Give back caches staged under ``handle`` (the call that staged them failed)."""
+        return self._handles.pop(handle, None)
+
+    def take(self, handle: int) -> Any:
+        """Hand the caches under ``handle`` to the caller."""
+        return self._handles.pop(handle)
+
+    def _drop_published(self, e: fx.DropPublished) -> list:
+        self._handles.pop(e.handle, None)
+        return []
+
+    def _drop_entry(self, e: fx.DropEntry) -> list:
+        if self._ram.pop(e.entry, None) is None:
+            raise InterpreterError(f"drop of entry {e.entry}, which holds nothing in RAM")
+        return []
+
+    def _notify_kept(self, e: fx.NotifyKept) -> list:
+        for observe in self.observers:
+            observe(e.key.tokens, e.key.namespace)
+        return []

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvstate.core.errors import StorageError
-from kvstate.core.events import SavedCheckpoint, SavedRecord
+from kvstate.effects.completions import SavedCheckpoint, SavedRecord
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason
 from kvstate.effects.effects import CheckpointMeta, DiskKey

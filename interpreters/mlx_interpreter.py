@@ -12,6 +12,7 @@ encoded on the caller's thread and committed by a background writer
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -21,13 +22,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstate.core.errors import InvalidRequest
-from kvstate.core.events import Scanned
+from kvstate.core.state import InvalidConfig, ServiceConfig
+from kvstate.effects.completions import Scanned
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import DiskStore, RejectedFile, WriteFailed
-from kvstate.interpreters.held import HeldState, InterpreterError
-from kvstate.interpreters.base import CacheFacts
+from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, WriteFailed
+from kvstate.interpreters.service import KvCacheService
+from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
+from kvstate.models.spec import ModelSpec
+from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
 
 
 class _Writer:
@@ -84,6 +88,8 @@ class _Writer:
 class MlxInterpreter(HeldState):
     """Carries out effects on mlx-lm caches for ``model``, with an optional disk store."""
 
+    name = "the MLX interpreter"
+
     def __init__(self, model: Any, *, store: DiskStore | None = None, background_writes: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.model = model
@@ -91,22 +97,88 @@ class MlxInterpreter(HeldState):
         self._clock = clock
         super().__init__()
         self._writer = _Writer() if background_writes and store is not None else None
-        self._performers: dict[type, Callable[[Any], list]] = {
-            fx.MakeFresh: self._make_fresh,
-            fx.CloneEntry: self._clone_entry,
-            fx.AdoptPublished: self._adopt_published,
-            fx.DropPublished: self._drop_published,
-            fx.DropEntry: self._drop_entry,
-            fx.SpillEntry: self._spill_entry,
-            fx.RestoreEntry: self._restore_entry,
-            fx.PrefetchEntry: self._prefetch_entry,
-            fx.DeleteFile: self._delete_file,
-            fx.NotifyKept: self._notify_kept,
-            fx.WriteCheckpoint: self._write_checkpoint,
-            fx.DeleteCheckpoint: self._delete_checkpoint,
-            fx.ResumeCheckpoint: self._resume_checkpoint,
-            fx.Sync: self._sync,
-        }
+
+    @property
+    def now(self) -> float:
+        return self._clock()
+
+    # ------------------------------------------------------------ the facade's side
+
+    def fresh(self) -> list:
+        """The model's empty caches."""
+        return make_prompt_cache(self.model)
+
+    def stage(self, handle: int, caches: object) -> CacheFacts:
+        if not isinstance(caches, (list, tuple)) or not caches:
+            raise InvalidRequest(f"caches must be the model's list of mlx-lm cache objects, got "
+                                 f"{type(caches).__name__}")
+        caches = list(caches)
+        facts = CacheFacts(mlx_caches.covered(caches), mlx_caches.live_bytes(caches), mlx_caches.trimmable(caches))
+        self._handles[handle] = caches
+        return facts
+
+    def file_bytes(self, handle: int, key: fx.DiskKey, facts: CacheFacts) -> int:
+        """The bytes the file of the caches staged under ``handle`` would take (0 without a disk store)."""
+        if self.store is None:
+            return 0
+        return self.store.prefix_file_bytes(key, self._handles[handle], facts.trimmable, facts.nbytes)
+
+    def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
+        """The bytes the checkpoint file of the caches staged under ``handle`` would take."""
+        if self.store is None:
+            return 0
+        return self.store.checkpoint_file_bytes(meta, tokens, self._handles[handle])
+
+    def stage_object(self, handle: int, arrays: object) -> int:
+        """Hold a tensor object (a dict of arrays) under ``handle``; its bytes."""
+        payload = [mlx_caches.TensorObject(arrays)]
+        self._handles[handle] = payload
+        return mlx_caches.live_bytes(payload)
+
+    def take_object(self, handle: int) -> dict:
+        return self._handles.pop(handle)[0].arrays
+
+    def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [] if self.store is None else self.store.saved_prefixes()
+
+    def scan(self) -> Scanned:
+        if self.store is None:
+            return Scanned()
+        records, checkpoints, rejected = self.store.scan()
+        return Scanned(tuple(records), tuple(checkpoints), rejected)
+
+    def poll(self) -> list:
+        """The completions so far; :class:`InterpreterError` once for a queued job that raised."""
+        with self._lock:
+            if self._errors:  # the completions stay for the next poll
+                error, self._errors = self._errors[0], self._errors[1:]
+                raise InterpreterError(f"a background disk job failed: {error!r}") from error
+            out, self._done = self._done, []
+        return out
+
+    def drain(self) -> list:
+        self._jobs.join()
+        return self.poll()
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the thread."""
+        self._jobs.join()
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class MlxInterpreter(HeldState):
+    """Carries out effects on mlx-lm caches for ``model``, with an optional disk store."""
+
+    name = "the MLX interpreter"
+
+    def __init__(self, model: Any, *, store: DiskStore | None = None, background_writes: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.store = store
+        self._clock = clock
+        super().__init__()
+        self._writer = _Writer() if background_writes and store is not None else None
 
     @property
     def now(self) -> float:
@@ -290,3 +362,37 @@ class MlxInterpreter(HeldState):
     def _sync(self, e: fx.Sync) -> list:
         finished = self._writer.drain() if self._writer is not None else []
         return finished + [done.Synced()]
+
+
+def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None, disk_dir: str | None = None,
+                disk_bytes: int | None = None, name: str = "model", config: dict | None = None, tokenizer: Any = None,
+                spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
+                policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
+                pressure: Callable[[int], bool] | None = None, **options: Any) -> KvCacheService:
+    """A service on the MLX interpreter for a loaded mlx-lm ``model``.
+
+    The geometry is read off the model (or given as ``spec``); the identity
+    every saved file carries is the model fingerprint (weights and
+    ``config``), the tokenizer hash and the geometry. ``disk_dir`` with
+    ``disk_bytes`` enables the disk tier; ``verify`` checks content hashes
+    on every restore. ``root_budget`` (a
+    :class:`~kvstate.interpreters.disk_budget.RootBudget` over ``disk_dir``)
+    shares one byte budget among every store under that root: idle
+    directories are evicted to fit when this service starts and closes.
+    """
+    spec = spec or spec_from_model(model, name)
+    fingerprint = model_fingerprint(model, config)
+    config_fingerprint = hashlib.blake2b(f"{fingerprint}:{spec!r}".encode(), digest_size=12).hexdigest()
+    identity = StoreIdentity(fingerprint, tokenizer_hash(tokenizer), config_fingerprint)
+    store = None
+    if disk_dir is not None:
+        if disk_bytes is None:
+            raise InvalidConfig("disk_dir needs disk_bytes: the byte budget of the disk tier")
+        store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget, write_file=write_file)
+    elif disk_bytes is not None:
+        raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
+    service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
+                                   disk_capacity_bytes=disk_bytes, policy=policy, identity=identity.encoded(),
+                                   **options)
+    return KvCacheService(service_config, MlxInterpreter(model, store=store, background_writes=background_writes),
+                          pressure=pressure)

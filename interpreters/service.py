@@ -9,7 +9,6 @@ object a lease id the first time it sees it.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import weakref
@@ -24,12 +23,11 @@ from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, ObjectF
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (
-    OBJECTS, InvalidConfig, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
+    OBJECTS, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
 )
 from kvstate.core.transitions import checkpoint_meta, optional_bytes, step
 from kvstate.effects.effects import CheckpointMeta, DiskKey
-from kvstate.interpreters.base import CacheFacts
-from kvstate.models.catalogue import model_spec
+from kvstate.interpreters.base import CacheFacts, Interpreter
 from kvstate.models.spec import ModelSpec
 
 DEFAULT_NAMESPACE = "default"
@@ -95,7 +93,7 @@ class AcquiredState:
 class KvCacheService:
     """The scheduler's port to the KV-cache state service (DESIGN.md's table)."""
 
-    def __init__(self, config: ServiceConfig, interpreter: Any, *,
+    def __init__(self, config: ServiceConfig, interpreter: Interpreter, *,
                  pressure: Callable[[int], bool] | None = None):
         self._state: ServiceState = initial_state(config)
         self._interpreter = interpreter
@@ -107,66 +105,16 @@ class KvCacheService:
         self._run(interpreter.scan())
 
     @classmethod
-    def simulated(cls, model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, kv_budget_bytes: int | None = None,
-                  disk_bytes: int | None = None, policy: str = "lru", pressure: Callable[[int], bool] | None = None,
-                  interpreter_options: dict | None = None, **options: Any) -> "KvCacheService":
-        """A service on the simulator for a catalogue model (or a :class:`ModelSpec`).
-
-        ``ram_bytes`` bounds kept prefixes, ``kv_budget_bytes`` admitted requests,
-        ``disk_bytes`` the simulated disk tier (None: none). Further ``options``
-        are :class:`~kvstate.core.state.ServiceConfig` fields; ``interpreter_options``
-        go to :class:`~kvstate.interpreters.simulator.SimulatorInterpreter`
-        (``disk``, ``faults``, ``cost``, ``deferred_writes``, ``identity``).
-        """
-        from kvstate.interpreters.simulator import SimulatorInterpreter
-
-        spec = model_spec(model) if isinstance(model, str) else model
-        interpreter_options = dict(interpreter_options or {})
-        identity = options.get("identity") or interpreter_options.get("identity") or f"sim:{spec.name}"
-        options.setdefault("identity", identity)
-        interpreter_options.setdefault("identity", identity)
-        config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
-                               disk_capacity_bytes=disk_bytes, policy=policy, **options)
-        return cls(config, SimulatorInterpreter(spec, **interpreter_options), pressure=pressure)
+    def simulated(cls, model: str | ModelSpec = "llama-3.1-8b", **options: Any) -> "KvCacheService":
+        """A service on the simulator: see :func:`kvstate.interpreters.simulator.simulated_service`."""
+        from kvstate.interpreters.simulator import simulated_service
+        return simulated_service(model, **options)
 
     @classmethod
-    def for_mlx(cls, model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
-                disk_dir: str | None = None, disk_bytes: int | None = None, name: str = "model",
-                config: dict | None = None, tokenizer: Any = None, spec: ModelSpec | None = None,
-                verify: bool = True, background_writes: bool = True, policy: str = "lru",
-                root_budget: Any = None, write_file: Callable | None = None,
-                pressure: Callable[[int], bool] | None = None, **options: Any) -> "KvCacheService":
-        """A service on the MLX interpreter for a loaded mlx-lm ``model``.
-
-        The geometry is read off the model (or given as ``spec``); the identity
-        every saved file carries is the model fingerprint (weights and
-        ``config``), the tokenizer hash and the geometry. ``disk_dir`` with
-        ``disk_bytes`` enables the disk tier; ``verify`` checks content hashes
-        on every restore. ``root_budget`` (a
-        :class:`~kvstate.interpreters.disk_budget.RootBudget` over ``disk_dir``)
-        shares one byte budget among every store under that root: idle
-        directories are evicted to fit when this service starts and closes.
-        """
-        from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
-        from kvstate.interpreters.mlx_interpreter import MlxInterpreter
-        from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
-
-        spec = spec or spec_from_model(model, name)
-        fingerprint = model_fingerprint(model, config)
-        config_fingerprint = hashlib.blake2b(f"{fingerprint}:{spec!r}".encode(), digest_size=12).hexdigest()
-        identity = StoreIdentity(fingerprint, tokenizer_hash(tokenizer), config_fingerprint)
-        store = None
-        if disk_dir is not None:
-            if disk_bytes is None:
-                raise InvalidConfig("disk_dir needs disk_bytes: the byte budget of the disk tier")
-            store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget, write_file=write_file)
-        elif disk_bytes is not None:
-            raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
-        service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
-                                       disk_capacity_bytes=disk_bytes, policy=policy,
-                                       identity=identity.encoded(), **options)
-        interpreter = MlxInterpreter(model, store=store, background_writes=background_writes)
-        return cls(service_config, interpreter, pressure=pressure)
+    def for_mlx(cls, model: Any, **options: Any) -> "KvCacheService":
+        """A service on the MLX interpreter: see :func:`kvstate.interpreters.mlx_interpreter.mlx_service`."""
+        from kvstate.interpreters.mlx_interpreter import mlx_service
+        return mlx_service(model, **options)
 
     # ------------------------------------------------------------ plumbing
 
@@ -269,9 +217,8 @@ class KvCacheService:
 
     def _collect(self) -> None:
         """Feed back the writes the interpreter finished in the background (unpinning their entries)."""
-        poll = getattr(self._interpreter, "poll", None)
-        if poll is not None and not getattr(self._interpreter, "deferred_writes", False):
-            self.complete(poll())
+        if not getattr(self._interpreter, "deferred_writes", False):
+            self.complete(self._interpreter.poll())
 
     def checkpoint(self, request: Request, caches: Any, tokens: Iterable[int], generated_tokens: int,
                    pending_token: int | None = None) -> bool:
@@ -311,9 +258,7 @@ class KvCacheService:
     def boundary(self) -> None:
         """An execution boundary: collect finished writes, advance the clock, give back RAM under pressure."""
         with self._lock:
-            poll = getattr(self._interpreter, "poll", None)
-            if poll is not None:
-                self.complete(poll())
+            self.complete(self._interpreter.poll())
             self._run(ev.Tick(self._interpreter.now))
             while self._pressure is not None and self._pressure(self._held_bytes()):
                 if self._run(ev.Boundary(pressure=True)).entries == 0:
@@ -364,9 +309,7 @@ class KvCacheService:
         """Flush, then clear RAM state; a second close returns the first one's result."""
         with self._lock:
             result = self._run(ev.Close())
-            closed = getattr(self._interpreter, "close", None)
-            if closed is not None:
-                closed()  # idempotent: releases what the interpreter holds (the saved-state root's lease)
+            self._interpreter.close()  # idempotent: releases what it holds (the saved-state root's lease)
             return result
 
     def __enter__(self) -> "KvCacheService":

@@ -12,16 +12,18 @@ so pinning and durability are exercised as with a real background writer.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import attrs
 
 from kvstate.core.errors import InvalidRequest, KvStateError
-from kvstate.core.events import SavedCheckpoint, SavedRecord, Scanned
-from kvstate.interpreters.base import CacheFacts
-from kvstate.interpreters.held import HeldState, InterpreterError
+from kvstate.core.state import ServiceConfig
+from kvstate.effects.completions import SavedCheckpoint, SavedRecord, Scanned
+from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
+from kvstate.interpreters.service import KvCacheService
+from kvstate.models.catalogue import model_spec
 from kvstate.models.spec import ModelSpec
 
 Reason = done.FailureReason
@@ -157,6 +159,8 @@ class SimStats:
 class SimulatorInterpreter(HeldState):
     """Carries out effects in memory; the service facade drives it."""
 
+    name = "the simulator"
+
     def __init__(self, model: ModelSpec, *, identity: str = "sim", cost: CostModel | None = None,
                  disk: SimDisk | None = None, faults: FaultPlan | None = None, deferred_writes: bool = False,
                  files: FileModel | None = None):
@@ -171,22 +175,6 @@ class SimulatorInterpreter(HeldState):
         self.now = 0.0
         super().__init__()
         self._pending: deque[tuple[fx.Effect, SimCaches]] = deque()
-        self._performers: dict[type, Callable[[fx.Effect], list]] = {
-            fx.MakeFresh: self._make_fresh,
-            fx.CloneEntry: self._clone_entry,
-            fx.AdoptPublished: self._adopt_published,
-            fx.DropPublished: self._drop_published,
-            fx.DropEntry: self._drop_entry,
-            fx.SpillEntry: self._write,
-            fx.RestoreEntry: self._restore_entry,
-            fx.PrefetchEntry: self._prefetch_entry,
-            fx.DeleteFile: self._delete_file,
-            fx.NotifyKept: self._notify_kept,
-            fx.WriteCheckpoint: self._write,
-            fx.DeleteCheckpoint: self._delete_checkpoint,
-            fx.ResumeCheckpoint: self._resume_checkpoint,
-            fx.Sync: self._sync,
-        }
 
     # ------------------------------------------------------------ the facade's side
 
@@ -243,10 +231,7 @@ class SimulatorInterpreter(HeldState):
         if crash is not None and self.stats.effects >= crash:
             self._pending.clear()  # writes in flight are lost
             raise SimulatedCrash(f"crashed before effect {self.stats.effects}: {effect!r}")
-        performer = self._performers.get(type(effect))
-        if performer is None:
-            raise InterpreterError(f"the simulator has no performer for {type(effect).__name__}")
-        return performer(effect)
+        return super().perform(effect)
 
     def poll(self, limit: int | None = None) -> list:
         """Complete up to ``limit`` deferred writes (all by default), oldest first."""
@@ -288,6 +273,12 @@ class SimulatorInterpreter(HeldState):
     def _adopt_published(self, e: fx.AdoptPublished) -> list:
         self._ram[e.entry] = self._handles.pop(e.handle)
         return []
+
+    def _spill_entry(self, e: fx.SpillEntry) -> list:
+        return self._write(e)
+
+    def _write_checkpoint(self, e: fx.WriteCheckpoint) -> list:
+        return self._write(e)
 
     def _write(self, e: fx.SpillEntry | fx.WriteCheckpoint) -> list:
         caches = self._ram[e.entry] if isinstance(e, fx.SpillEntry) else self._handles.pop(e.handle)
@@ -362,3 +353,28 @@ class SimulatorInterpreter(HeldState):
 
     def _sync(self, e: fx.Sync) -> list:
         return self.poll() + [done.Synced()]
+
+    def close(self) -> None:
+        """Nothing to release: the simulated disk outlives the service on purpose (a restart reads it)."""
+
+
+def simulated_service(model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, kv_budget_bytes: int | None = None,
+                      disk_bytes: int | None = None, policy: str = "lru",
+                      pressure: Callable[[int], bool] | None = None, interpreter_options: dict | None = None,
+                      **options: Any) -> KvCacheService:
+    """A service on the simulator for a catalogue model (or a :class:`ModelSpec`).
+
+    ``ram_bytes`` bounds kept prefixes, ``kv_budget_bytes`` admitted requests,
+    ``disk_bytes`` the simulated disk tier (None: none). Further ``options``
+    are :class:`~kvstate.core.state.ServiceConfig` fields; ``interpreter_options``
+    go to :class:`SimulatorInterpreter` (``disk``, ``faults``, ``cost``,
+    ``deferred_writes``, ``identity``, ``files``).
+    """
+    spec = model_spec(model) if isinstance(model, str) else model
+    interpreter_options = dict(interpreter_options or {})
+    identity = options.get("identity") or interpreter_options.get("identity") or f"sim:{spec.name}"
+    options.setdefault("identity", identity)
+    interpreter_options.setdefault("identity", identity)
+    config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
+                           disk_capacity_bytes=disk_bytes, policy=policy, **options)
+    return KvCacheService(config, SimulatorInterpreter(spec, **interpreter_options), pressure=pressure)

@@ -453,7 +453,7 @@ def test_prefetch_refuses_a_file_being_restored_and_one_without_room():
 @pytest.mark.parametrize("options", [{"disk_capacity_bytes": None}, {"ram_capacity_bytes": 0}])
 def test_prefetch_needs_a_disk_tier_and_ram(options):
     core = tiered(**options)
-    core(ev.Scanned((ev.SavedRecord("n", (1, 2), 0, True, 0),)))  # even a file of no bytes is not read into no RAM
+    core(done.Scanned((done.SavedRecord("n", (1, 2), 0, True, 0),)))  # even a file of no bytes is not read into no RAM
     assert core(ev.Prefetch((1, 2, 3), "n")) is False
 
 
@@ -511,9 +511,9 @@ def test_an_object_put_needs_ram_and_fits_the_smallest():
 
 def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():
     core = tiered(disk_capacity_bytes=30)
-    records = (ev.SavedRecord(OBJECTS, tuple(b"w"), 10, False, 10), ev.SavedRecord("n", (1, 2), 20, True, 20),
-               ev.SavedRecord("n", (3, 4), 1, True, 1))
-    core(ev.Scanned(records))
+    records = (done.SavedRecord(OBJECTS, tuple(b"w"), 10, False, 10), done.SavedRecord("n", (1, 2), 20, True, 20),
+               done.SavedRecord("n", (3, 4), 1, True, 1))
+    core(done.Scanned(records))
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (3, 4)))]
     assert core.state.disk.bytes == 30 and len(core.state.entries) == 2
     assert core(ev.ObjectGet("w", 5)) == Pending(5) and core.of(fx.RestoreEntry)
@@ -521,13 +521,13 @@ def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():
 
 def test_a_scan_that_found_nothing_rejected_nothing():
     core = tiered()
-    core(ev.Scanned())
+    core(done.Scanned())
     assert core.counts() == {}
 
 
 def test_saved_entries_found_by_a_scan_are_not_protected():
     core = tiered(ram_capacity_bytes=20, retention=lambda namespace, tokens, request: True)
-    core(ev.Scanned((ev.SavedRecord("n", (1, 2, 3), 10, True, 10),)))
+    core(done.Scanned((done.SavedRecord("n", (1, 2, 3), 10, True, 10),)))
     found = next(iter(core.state.entries))
     kept = core.keep((5, 6, 7), nbytes=10).entry   # protected by the retention rule
     core.settle_writes()
@@ -608,7 +608,7 @@ def test_a_checkpoint_found_by_a_scan_with_one_durable_token_is_resumed():
     continuation = Continuation("k", 1)
     key = "n\x1f\x1fk"
     meta = fx.CheckpointMeta(key, "n", 1, 0, None, 1, False)
-    core(ev.Scanned(checkpoints=(ev.SavedCheckpoint(meta, 1, 6),)))
+    core(done.Scanned(checkpoints=(done.SavedCheckpoint(meta, 1, 6),)))
     _, handle, _ = core.acquire((1,), continuation=continuation)
     assert core.of(fx.ResumeCheckpoint) == [fx.ResumeCheckpoint(key, handle)]
 
