@@ -182,6 +182,19 @@ class PrefixIndex:
             node, depth = child, depth + len(child.label)
         return None
 
+    def prefixes_of(self, namespace: str, tokens: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+        """``(length, entry, trimmable)`` of every entry whose tokens are a strict prefix of ``tokens``."""
+        found = []
+        node, depth = self.roots.get(namespace), 0
+        while node is not None and depth < len(tokens):
+            if node.entry is not None:
+                found.append((depth, node.entry, node.trimmable))
+            child = node.children.get(tokens[depth])
+            if child is None or tokens[depth:depth + len(child.label)] != child.label:
+                break
+            node, depth = child, depth + len(child.label)
+        return found
+
     def longest(self, namespace: str, prompt: tuple[int, ...]) -> tuple[int, int | None]:
         """``(tokens, entry)``: the longest prefix of ``prompt`` some entry can serve, at most ``len-1``."""
         root = self.roots.get(namespace)

@@ -31,6 +31,8 @@ class Report:
     duplicates: int
     not_kept: int
     evictions: int
+    #: RAM copies of trimmable prefixes dropped because a longer kept entry serves them.
+    superseded: int
     demotions: int
     #: Saved prefixes and objects on disk, and the bytes their files take (0 and None capacity without
     #: a disk tier). ``disk_bytes`` is what the disk tier charges against its capacity: every saved
@@ -76,7 +78,7 @@ def report(state: ServiceState) -> Report:
         hits=c.hits, misses=c.misses, session_hits=c.session_hits, session_misses=c.session_misses,
         prefill_tokens_saved=c.prefill_tokens_saved, object_hits=c.object_hits, object_misses=c.object_misses,
         object_restores=c.object_restores, kept=c.kept, duplicates=c.duplicates, not_kept=c.not_kept,
-        evictions=c.evictions, demotions=c.demotions,
+        evictions=c.evictions, superseded=c.superseded, demotions=c.demotions,
         saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
         disk_bytes=state.disk.bytes,
         spills=c.spills, restores=c.restores, prefetches=c.prefetches, disk_evictions=c.disk_evictions,

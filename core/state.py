@@ -216,6 +216,7 @@ class Counters:
     duplicates: int = 0
     not_kept: int = 0
     evictions: int = 0
+    superseded: int = 0
     demotions: int = 0
     spills: int = 0
     restores: int = 0

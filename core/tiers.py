@@ -192,12 +192,24 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         out.append(fx.AdoptPublished(handle, entry.id))
         if d.config.has_disk and d.config.write_behind:
             start_spill(d, entry, out)
+    if trimmable:
+        _drop_served_prefixes(d, entry, out)
     if session is not None:
         d.sessions = d.sessions.set(session, (namespace, tokens))
     if notify:
         out.append(fx.NotifyKept(fx.DiskKey(namespace, tokens)))
     d.count("kept")
     return out, Kept(entry.id)
+
+
+def _drop_served_prefixes(d: Draft, longer: Entry, out: list) -> None:
+    """RAM holds no trimmable prefix that the trimmable ``longer`` entry already serves: their RAM
+    copies go (a saved copy stays). Pinned and protected entries stay."""
+    for _, entry_id, trimmable in d.ram.index.prefixes_of(longer.namespace, longer.tokens):
+        entry = d.entries[entry_id]
+        if trimmable and entry.residence in (R.RAM, R.BOTH) and not entry.protected:
+            drop_ram(d, entry, out)
+            d.count("superseded")
 
 
 def spill_done(d: Draft, e: done.SpillDone) -> tuple[list, object]:

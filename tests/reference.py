@@ -48,7 +48,7 @@ class NaiveFifoPrefixCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.items: OrderedDict[tuple, tuple[int, bool]] = OrderedDict()
-        self.counts = {"kept": 0, "duplicates": 0, "not_kept": 0, "evictions": 0, "demotions": 0}
+        self.counts = {"kept": 0, "duplicates": 0, "not_kept": 0, "evictions": 0, "superseded": 0, "demotions": 0}
 
     @property
     def held_bytes(self) -> int:
@@ -66,6 +66,12 @@ class NaiveFifoPrefixCache:
             self.counts["evictions"] += 1
         self.items[key] = (size, trimmable)
         self.counts["kept"] += 1
+        if trimmable:  # a trimmable entry serves every shorter trimmable prefix of it: those go
+            namespace, tokens = key
+            for (ns, held), (_, held_trimmable) in list(self.items.items()):
+                if ns == namespace and held_trimmable and len(held) < len(tokens) and tokens[:len(held)] == held:
+                    del self.items[(ns, held)]
+                    self.counts["superseded"] += 1
         return True
 
     def drop_oldest(self) -> None:

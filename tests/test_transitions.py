@@ -743,3 +743,16 @@ def test_checkpoint_files_are_charged_to_the_disk_tier_and_replace_each_other():
     assert core(ev.Checkpoint(lease, 11, (1, 2, 3, 4, 5), 5, 3, None, 5, 70)) is False  # 35 + 70 > 100
     core(ev.Release(lease, completed=True))
     assert core.state.disk.bytes == 0 and core.of(fx.DeleteCheckpoint)
+
+
+def test_a_longer_trimmable_entry_supersedes_the_shorter_ones_it_serves_in_ram():
+    core = tiered()
+    short = core.keep((1, 2), nbytes=10).entry
+    core.settle_writes()                                          # on disk too
+    exact = core.keep((1, 2, 3), nbytes=10, trimmable=False).entry  # serves only its own length
+    other = core.keep((1, 2, 3, 4), nbytes=10, namespace="m").entry  # another namespace
+    longer = core.keep((1, 2, 3, 4), nbytes=20).entry
+    assert core.of(fx.DropEntry) == [fx.DropEntry(short)] and core.counts()["superseded"] == 1
+    assert core.residence(short) is R.DISK                        # the saved copy stays
+    assert {core.residence(e) for e in (exact, other, longer)} == {R.SPILLING}
+    assert core(ev.Acquire(9, Request((1, 2, 9), 4), "n", 99)).reused_tokens == 2  # served by the longer
