@@ -183,10 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sessions", type=int, default=3)
     demo.add_argument("--turns", type=int, default=4)
     demo.set_defaults(run=_demo)
+    commands.add_parser(
+        "serve", add_help=False,
+        help="mlx-lm's OpenAI-compatible server with kvstate as its prompt cache (kvstate serve --help)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the rest is kvstate's serving flags and mlx_lm.server's own
+        from kvstate.interpreters.serve import main as serve
+        return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,0 +1,122 @@
+"""mlx-lm's prompt-cache interface, backed by a :class:`~kvstate.interpreters.service.KvCacheService`.
+
+``mlx_lm.server`` asks its prompt cache (an ``LRUPromptCache``) for the nearest
+cache of a prompt (``fetch_nearest_cache``), offers caches at the end of the
+system and user segments and at the end of a generation (``insert_cache`` with
+``cache_type``), trims it to what the running batch leaves (``trim_to``), and
+logs ``len``, ``nbytes`` and ``stats_by_type``. :class:`KvStatePromptCache`
+answers all of these through the service, so the server gains kvstate's reuse
+rules, eviction policies, disk tier, restart and metrics with nothing else
+changed. Segment ends become kept snapshots: a hybrid or sliding-window model,
+whose caches serve only their exact length, reuses a shared system prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kvstate.core.errors import KvStateError
+from kvstate.core.request import Request
+from kvstate.core.state import IN_RAM
+from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
+
+#: The cache types ``mlx_lm.server`` inserts, as ``LRUPromptCache`` orders them.
+CACHE_TYPES = ("assistant", "user", "system")
+
+
+class KvStatePromptCache:
+    """An ``LRUPromptCache`` for ``mlx_lm.server`` whose decisions are kvstate's.
+
+    ``model_key`` is the key the server passes for the model this service was
+    built for; a request for any other model is a miss, and nothing of it is
+    kept. Memory pressure (``trim_to``) gives RAM entries back through the
+    service, spilling them first when it has a disk tier.
+    """
+
+    def __init__(self, service: KvCacheService, model_key: Any, namespace: str = DEFAULT_NAMESPACE):
+        self.service = service
+        self.model_key = model_key
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._types: dict[tuple[int, ...], str] = {}
+        self._limit: tuple[int | None, int | None] = (None, None)
+
+    # ------------------------------------------------------------ what the server calls
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list | None, list[int]]:
+        """``(caches, rest)``: caches covering the longest reusable prefix of ``tokens`` (a copy the
+        caller owns) and the tokens left to compute; ``(None, tokens)`` for a miss."""
+        if model != self.model_key or not tokens:
+            return None, tokens
+        request = Request(tuple(tokens), 1)
+        try:
+            state = self.service.acquire(request, self.namespace)
+        finally:
+            self.service.release(request, completed=True)
+        self.service.boundary()
+        if state.reused_tokens == 0:
+            return None, tokens
+        return state.caches, tokens[state.reused_tokens:]
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
+                     cache_type: str = "assistant") -> None:
+        """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
+        if model != self.model_key or not tokens or not prompt_cache:
+            return
+        covered = mlx_caches.covered(prompt_cache)
+        if covered is not None and covered != len(tokens):
+            # At the end of a generation the last sampled token is not in the caches yet.
+            if covered > len(tokens) or covered == 0:
+                return
+            tokens = tokens[:covered]
+        key = tuple(tokens)
+        request = Request(key, 1)
+        try:
+            kept = self.service.publish(request, self.namespace, key, prompt_cache)
+        except KvStateError:
+            return  # caches the service cannot take (their tokens disagree): not kept, as a full cache would
+        if kept:
+            with self._lock:
+                self._types[key] = cache_type if cache_type in CACHE_TYPES else "assistant"
+        self.service.boundary()
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Give RAM entries back (spilled first with a disk tier) until at most ``n_sequences`` and
+        ``n_bytes`` are held: what the running batch leaves of the server's prompt-cache budget."""
+        self._limit = (None if n_sequences is None else max(0, n_sequences),
+                       None if n_bytes is None else max(0, n_bytes))
+        try:
+            self.service.boundary()
+        finally:
+            self._limit = (None, None)
+
+    def over_limit(self, held_bytes: int) -> bool:
+        """The service's memory-pressure callback: whether RAM holds more than ``trim_to`` allows."""
+        sequences, nbytes = self._limit
+        if nbytes is not None and held_bytes > nbytes:
+            return True
+        return sequences is not None and self.service.state.ram.index.__len__() > sequences
+
+    def __len__(self) -> int:
+        return len(self.service.state.ram.index)
+
+    @property
+    def nbytes(self) -> int:
+        return self.service.state.ram.bytes
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        """Entries and bytes in RAM by the cache type the server inserted them as."""
+        stats = {kind: {"n_sequences": 0, "n_bytes": 0} for kind in CACHE_TYPES}
+        held = set()
+        for entry in self.service.state.entries.values():
+            if entry.residence in IN_RAM and entry.namespace == self.namespace:
+                kind = self._types.get(entry.tokens, "assistant")
+                stats[kind]["n_sequences"] += 1
+                stats[kind]["n_bytes"] += entry.nbytes
+                held.add(entry.tokens)
+        with self._lock:
+            for key in [k for k in self._types if k not in held]:
+                del self._types[key]
+        return stats

@@ -1,0 +1,247 @@
+"""``kvstate serve``: mlx-lm's own OpenAI-compatible server, with kvstate as its prompt cache.
+
+The server is ``mlx_lm.server`` itself: its flags, endpoints, continuous
+batching and tool calling are unchanged. kvstate replaces one piece, the
+prompt cache the server builds in ``run()``, with a
+:class:`~kvstate.interpreters.prompt_cache.KvStatePromptCache` over a service
+on the MLX interpreter, and adds ``GET /metrics`` (Prometheus text format) to
+the request handler. With ``--disk-dir`` kept state is spilled to disk and a
+restarted server serves earlier conversations' prefixes from it; identity is
+checked on every file as everywhere else.
+
+The pieces of ``mlx_lm.server`` this relies on are checked at start
+(:func:`check_server_internals`); a version whose internals moved is refused
+with a message that names what moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from kvstate.core.errors import KvStateError
+from kvstate.interpreters.prompt_cache import KvStatePromptCache
+from kvstate.interpreters.service import KvCacheService
+
+#: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
+SUPPORTED_MLX_LM = ((0, 32),)
+
+
+class ServerInternalsMoved(KvStateError):
+    """The installed mlx-lm's server is not one ``kvstate serve`` knows how to embed."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def check_server_internals() -> Any:
+    """``mlx_lm.server``, once every piece ``kvstate serve`` uses is where it expects it; else
+    :class:`ServerInternalsMoved` naming what moved."""
+    import inspect
+
+    from mlx_lm import server
+
+    version = metadata.version("mlx-lm")
+    supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_MLX_LM)
+    if _release(version) not in SUPPORTED_MLX_LM:
+        raise ServerInternalsMoved(f"kvstate serve embeds mlx-lm {supported}; mlx-lm {version} is installed. "
+                                   f"Install a supported release (pip install 'mlx-lm=={supported[:-2]}.*').")
+    expected: dict[str, Callable[[], bool]] = {
+        "ResponseGenerator(model_provider, prompt_cache)": lambda: list(
+            inspect.signature(server.ResponseGenerator.__init__).parameters)[1:3] == ["model_provider",
+                                                                                    "prompt_cache"],
+        "_run_http_server(host, port, response_generator, server_class, handler_class)": lambda: list(
+            inspect.signature(server._run_http_server).parameters) == ["host", "port", "response_generator",
+                                                                       "server_class", "handler_class"],
+        "run(host, port, model_provider, ...)": lambda: list(inspect.signature(server.run).parameters)[:3] == [
+            "host", "port", "model_provider"],
+        "ModelProvider.load(model_path, adapter_path, draft_model_path)": lambda: list(
+            inspect.signature(server.ModelProvider.load).parameters)[1:] == ["model_path", "adapter_path",
+                                                                             "draft_model_path"],
+        "APIHandler.do_GET": lambda: callable(getattr(server.APIHandler, "do_GET", None)),
+        "ResponseGenerator.stop_and_join": lambda: callable(getattr(server.ResponseGenerator, "stop_and_join", None)),
+        "main() parsing sys.argv": lambda: callable(getattr(server, "main", None)),
+    }
+    for piece, holds in expected.items():
+        try:
+            ok = holds()
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ServerInternalsMoved(f"mlx-lm {version}'s server no longer has {piece}, which kvstate serve "
+                                       f"embeds; install mlx-lm {supported}")
+    return server
+
+
+# ---------------------------------------------------------------- metrics
+
+
+#: Report fields that go up and down; every other count only grows (a Prometheus counter).
+_GAUGES = frozenset({"entries", "bytes", "capacity_bytes", "saved_entries", "saved_bytes", "saved_capacity_bytes",
+                     "disk_bytes", "pending_writes", "pending_write_bytes", "checkpoints", "checkpoint_bytes",
+                     "live_requests", "projected_bytes", "budget_bytes"})
+
+
+class ReportCollector:
+    """Every counter of the service's report, hit ratios and bytes per tier, read at each scrape."""
+
+    def __init__(self, service: KvCacheService):
+        self.service = service
+
+    def collect(self):
+        import attrs
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        report = self.service.report()
+        for field in attrs.fields(type(report)):
+            value = getattr(report, field.name)
+            if value is None:
+                continue
+            name = f"kvstate_{field.name}"
+            if field.name in _GAUGES:
+                yield GaugeMetricFamily(name, f"kvstate report: {field.name}", value=value)
+            else:
+                yield CounterMetricFamily(name, f"kvstate report: {field.name}", value=value)
+        lookups = report.hits + report.misses
+        yield GaugeMetricFamily("kvstate_hit_ratio", "acquires that reused a prefix, of all acquires",
+                                value=report.hits / lookups if lookups else 0.0)
+        objects = report.object_hits + report.object_misses
+        yield GaugeMetricFamily("kvstate_object_hit_ratio", "object gets that found the object",
+                                value=report.object_hits / objects if objects else 0.0)
+        tiers = GaugeMetricFamily("kvstate_tier_bytes", "bytes each tier charges", labels=["tier"])
+        tiers.add_metric(["ram"], report.bytes)
+        tiers.add_metric(["disk"], report.disk_bytes)
+        yield tiers
+
+
+def metrics_text(service: KvCacheService) -> bytes:
+    """The Prometheus text exposition of ``service``'s report."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(service))
+    return generate_latest(registry)
+
+
+def handler_with_metrics(server: Any, service: KvCacheService) -> type:
+    """mlx-lm's request handler with ``GET /metrics`` added; every other path is the server's own."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    class KvStateHandler(server.APIHandler):
+        def do_GET(self):
+            if self.path.split("?", 1)[0] != "/metrics":
+                return super().do_GET()
+            body = metrics_text(service)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return KvStateHandler
+
+
+# ---------------------------------------------------------------- the command
+
+
+def kvstate_options() -> argparse.ArgumentParser:
+    """kvstate's own flags of ``kvstate serve``; every other flag is mlx-lm's server's."""
+    from kvstate.core.policies import POLICIES
+    from kvstate.interpreters.cli import parse_bytes
+
+    parser = argparse.ArgumentParser(prog="kvstate serve", add_help=False,
+                                     description="mlx-lm's server with kvstate as its prompt cache. Every flag "
+                                                 "not listed here is mlx_lm.server's own (see below).")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help, then mlx_lm.server's")
+    parser.add_argument("--ram-bytes", type=parse_bytes, default=parse_bytes("8GiB"),
+                        help="RAM for kept prompt state (default 8GiB)")
+    parser.add_argument("--kv-budget-bytes", type=parse_bytes, default=None,
+                        help="memory for kept state and the running batch together: kept state is given back "
+                             "(spilled first with a disk tier) while the batch needs it (default: none)")
+    parser.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: none)")
+    parser.add_argument("--disk-bytes", type=parse_bytes, default=None,
+                        help="byte budget of the disk tier, the bytes its files take (needed with --disk-dir)")
+    parser.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
+    parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
+    return parser
+
+
+def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvStatePromptCache:
+    """Load the default model and build the kvstate prompt cache for it."""
+    from mlx_lm.utils import load_config
+
+    from kvstate.interpreters.mlx_interpreter import mlx_service
+
+    model, tokenizer = model_provider.load("default_model", None, "default_model")
+    config = load_config(Path(model_provider.cli_args.model))
+    cache: KvStatePromptCache | None = None
+
+    def pressure(held_bytes: int) -> bool:
+        return cache is not None and cache.over_limit(held_bytes)
+    service = mlx_service(model, ram_bytes=options.ram_bytes, disk_dir=options.disk_dir,
+                          disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
+                          config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
+                          pressure=pressure)
+    cache = KvStatePromptCache(service, model_provider.model_key)
+    return cache
+
+
+def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
+    """Run mlx-lm's server (parsing ``server_argv`` with its own parser) with kvstate's prompt cache."""
+    server = check_server_internals()
+    if options.kv_budget_bytes is not None:
+        server_argv = [*server_argv, "--prompt-cache-bytes", str(options.kv_budget_bytes)]
+    served: dict[str, Any] = {}
+
+    def run(host: str, port: int, model_provider: Any, *rest: Any, **named: Any) -> None:
+        if model_provider.cli_args.model is None:
+            raise SystemExit("kvstate serve needs --model PATH: the mlx-lm model directory to serve")
+        cache = served["cache"] = build_prompt_cache(model_provider, options)
+        report = cache.service.report()
+        logging.info("kvstate: %d saved prefixes found on disk, %d files rejected", report.saved_entries,
+                     report.rejected_files)
+        generator = server.ResponseGenerator(model_provider, cache)
+        server._run_http_server(host, port, generator, handler_class=handler_with_metrics(server, cache.service))
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt  # the server's own shutdown path: stop serving, join the generation thread
+
+    previous_run, previous_argv = server.run, sys.argv
+    previous_term = signal.signal(signal.SIGTERM, stop)
+    server.run, sys.argv = run, ["mlx_lm.server", *server_argv]
+    try:
+        server.main()
+    finally:
+        server.run, sys.argv = previous_run, previous_argv
+        signal.signal(signal.SIGTERM, previous_term)
+        cache = served.get("cache")
+        if cache is not None:
+            result = cache.service.close()
+            logging.info("kvstate: closed, %s", json.dumps({"durable": result.durable,
+                                                             "ram_only_entries": result.ram_only_entries}))
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    options, server_argv = kvstate_options().parse_known_args(argv)
+    if options.help:
+        kvstate_options().print_help()
+        print("\nmlx_lm.server's own options:\n")
+        server_argv = ["--help"]
+    if (options.disk_dir is None) != (options.disk_bytes is None):
+        print("kvstate serve: --disk-dir and --disk-bytes go together (where saved state lives, and its budget)",
+              file=sys.stderr)
+        return 2
+    try:
+        return serve(options, server_argv)
+    except ServerInternalsMoved as error:
+        print(f"kvstate serve: {error}", file=sys.stderr)
+        return 2

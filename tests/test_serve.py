@@ -1,0 +1,251 @@
+"""``kvstate serve`` over real HTTP, with the real ``openai`` client, on tiny model directories built here.
+
+Each test talks to a live server process on localhost: mlx-lm's own server with kvstate as its
+prompt cache. The model directories are reference architectures with random weights and a
+tokenizer trained in the fixture; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serving tests talk through the real openai client")
+
+from kvstate.interpreters import serve as serving  # noqa: E402
+from kvstate.models.model_dir import save_model_dir  # noqa: E402
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and clearly."}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """A server process on a free port: ``kvstate serve`` (or stock ``mlx_lm.server``)."""
+
+    def __init__(self, model_dir: Path, *extra: str, stock: bool = False, log: Path | None = None):
+        self.port = free_port()
+        command = ([sys.executable, "-m", "mlx_lm", "server"] if stock
+                   else [sys.executable, "-m", "kvstate.interpreters.cli", "serve"])
+        self.log = log or model_dir.parent / f"server-{self.port}.log"
+        self.process = subprocess.Popen([*command, "--model", str(model_dir), "--port", str(self.port), *extra],
+                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url("/v1"), api_key="none", max_retries=0, timeout=120)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as reply:
+            text = reply.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def post(self, path: str, body: bytes) -> tuple[int, str]:
+        request = urllib.request.Request(self.url(path), data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def chat(server: Server, messages, max_tokens=8, **options):
+    return server.client.chat.completions.create(model="default_model", messages=messages, max_tokens=max_tokens,
+                                                 temperature=0.0, **options)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model_dir(tmp_path_factory.mktemp("served") / "llama", "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("disk")
+    running = Server(model_dir, "--disk-dir", str(disk), "--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
+    yield running
+    running.stop()
+
+
+def test_the_installed_mlx_lm_server_is_one_kvstate_embeds():
+    assert serving.check_server_internals() is not None
+
+
+def test_a_moved_server_internal_is_refused_by_name(monkeypatch):
+    from mlx_lm import server
+
+    monkeypatch.delattr(server.ResponseGenerator, "stop_and_join")
+    with pytest.raises(serving.ServerInternalsMoved, match="stop_and_join"):
+        serving.check_server_internals()
+
+
+def test_chat_completions_streamed_and_not_and_text_completions(server):
+    reply = chat(server, [SYSTEM, {"role": "user", "content": "Hello, how are you?"}])
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+    streamed = chat(server, [SYSTEM, {"role": "user", "content": "Hello, how are you?"}], stream=True)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices]
+    assert "".join(pieces) == reply.choices[0].message.content  # greedy: the same text either way
+    text = server.client.completions.create(model="default_model", prompt="The quick brown fox", max_tokens=6,
+                                            temperature=0.0)
+    assert text.choices[0].text and text.usage.completion_tokens == 6
+
+
+def test_the_second_turn_of_a_chat_reports_cached_tokens(server):
+    first = [SYSTEM, {"role": "user", "content": "Tell me about the weather today."}]
+    reply = chat(server, first)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And what should I wear outside?"}]
+    again = chat(server, second)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= reply.usage.prompt_tokens - 1  # the whole first turn's prompt, at least
+    assert cached < again.usage.prompt_tokens
+
+
+def test_eight_concurrent_clients_are_all_served_and_the_report_adds_up(server):
+    before = server.metrics()
+    errors, replies = [], []
+
+    def client(n):
+        try:
+            messages = [SYSTEM, {"role": "user", "content": f"Numbers: {n} {n + 1} {n + 2}, and a cache."}]
+            for turn in range(2):
+                reply = chat(server, messages, max_tokens=6)
+                replies.append(reply)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                             {"role": "user", "content": "Go on."}]
+        except Exception as error:  # noqa: BLE001 - collected and reported
+            errors.append(error)
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert errors == [] and len(replies) == 16
+    after = server.metrics()
+    lookups = (after["kvstate_hits_total"] + after["kvstate_misses_total"]
+               - before["kvstate_hits_total"] - before["kvstate_misses_total"])
+    assert lookups == 16
+    assert after["kvstate_live_requests"] == 0 and after["kvstate_bytes"] <= after["kvstate_capacity_bytes"]
+    assert after["kvstate_hits_total"] > before["kvstate_hits_total"]  # the second turns reused the first
+
+
+def test_metrics_are_the_report_in_prometheus_text(server):
+    chat(server, [SYSTEM, {"role": "user", "content": "Hello"}])
+    metrics = server.metrics()
+    for name in ("kvstate_hits_total", "kvstate_misses_total", "kvstate_kept_total", "kvstate_spills_total",
+                 "kvstate_pending_writes", "kvstate_saved_bytes", "kvstate_hit_ratio",
+                 'kvstate_tier_bytes{tier="ram"}', 'kvstate_tier_bytes{tier="disk"}'):
+        assert name in metrics, name
+    assert 0.0 <= metrics["kvstate_hit_ratio"] <= 1.0
+
+
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server):
+    assert server.post("/v1/chat/completions", b"{not json")[0] == 400
+    assert server.post("/v1/chat/completions", json.dumps([1, 2]).encode())[0] == 400
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="no-such-model", messages=[SYSTEM], max_tokens=4)
+    assert chat(server, [SYSTEM, {"role": "user", "content": "Still there?"}]).choices[0].message.content
+    assert server.metrics()["kvstate_live_requests"] == 0
+
+
+def test_a_client_that_disconnects_mid_stream_releases_its_request(server):
+    stream = chat(server, [SYSTEM, {"role": "user", "content": "Tell me a long story."}], max_tokens=200,
+                  stream=True)
+    for _ in zip(range(3), stream):
+        pass
+    stream.close()  # gone mid-stream
+    deadline = time.monotonic() + 30
+    while server.metrics()["kvstate_live_requests"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metrics()["kvstate_live_requests"] == 0
+    assert chat(server, [SYSTEM, {"role": "user", "content": "Hello again"}]).choices[0].message.content
+
+
+def test_a_restarted_server_serves_earlier_conversations_from_disk(model_dir, tmp_path):
+    options = ("--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
+    conversation = [SYSTEM, {"role": "user", "content": "A cache keeps the state of a computation."}]
+    first = Server(model_dir, *options)
+    try:
+        reply = chat(first, conversation)
+    finally:
+        assert first.stop() == 0
+    assert "durable\": true" in first.log.read_text()
+    second = Server(model_dir, *options)
+    try:
+        follow = conversation + [{"role": "assistant", "content": reply.choices[0].message.content},
+                                 {"role": "user", "content": "Why?"}]
+        again = chat(second, follow)
+        assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens - 1
+        metrics = second.metrics()
+        assert metrics["kvstate_restores_total"] >= 1 and metrics["kvstate_rejected_files_total"] == 0
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("seed", [7, None], ids=["seeded-sequential", "batched"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "mamba"])
+def test_served_tokens_equal_stock_mlx_lm_server(family, seed, tmp_path):
+    """The same model directory and conversation through kvstate serve and stock mlx_lm.server, with
+    a seed (served one at a time) and without (batched): the same tokens, turn after turn. Batched,
+    kvstate's later turns reuse kept state on every family, hybrid and recurrent ones too: the
+    server's segment ends are kept as snapshots. One at a time, the server offers only the end of
+    each generation, which a model whose caches cannot be trimmed reuses only at that exact length."""
+    directory = save_model_dir(tmp_path / family, family, seed=5)
+    texts, cached = {}, {}
+    options = {} if seed is None else {"seed": seed}
+    for stock in (False, True):
+        server = Server(directory, stock=stock, log=tmp_path / f"{'stock' if stock else 'kvstate'}.log")
+        try:
+            messages, said, reused = [SYSTEM, {"role": "user", "content": "Hello, how are you?"}], [], []
+            for turn in range(3):
+                reply = chat(server, messages, max_tokens=10, **options)
+                said.append(reply.choices[0].message.content)
+                reused.append(reply.usage.prompt_tokens_details.cached_tokens)
+                messages += [{"role": "assistant", "content": said[-1]},
+                             {"role": "user", "content": f"Tell me more, part {turn}."}]
+            texts[stock], cached[stock] = said, reused
+        finally:
+            server.stop()
+    assert texts[False] == texts[True]
+    if seed is None or family == "llama":
+        assert all(n > 0 for n in cached[False][1:]), cached
