@@ -5,7 +5,7 @@ imports mlx (``tests/test_core_purity.py`` enforces it).
 """
 
 from kvstate.core.errors import (
-    CheckpointNotAllowed, ContextLimitExceeded, InvalidNamespace, InvalidRequest, KvStateError, OverBudget,
+    CheckpointNotAllowed, ContextLimitExceeded, InvalidNamespace, InvalidRequest, KvStateError, NotAdmitted, OverBudget,
     RequestAlreadyAcquired, RequestKeepsNoState, ServiceClosed, StorageError, TokensDoNotMatchCaches,
     UnknownRequest, UsageError,
 )
@@ -16,7 +16,7 @@ from kvstate.core.state import InvalidConfig, ServiceConfig, ServiceState, initi
 from kvstate.core.transitions import Step, step
 
 __all__ = [
-    "CheckpointNotAllowed", "ContextLimitExceeded", "InvalidNamespace", "InvalidRequest", "KvStateError",
+    "CheckpointNotAllowed", "ContextLimitExceeded", "InvalidNamespace", "InvalidRequest", "KvStateError", "NotAdmitted",
     "OverBudget", "RequestAlreadyAcquired", "RequestKeepsNoState", "ServiceClosed", "StorageError",
     "TokensDoNotMatchCaches", "UnknownRequest", "UsageError",
     "Acquired", "Admission", "FlushResult", "GaveBack", "Kept", "NotKept", "NotKeptReason", "Source",

@@ -37,6 +37,11 @@ class OverBudget(UsageError):
     """The request's projected KV bytes exceed the whole KV budget on their own."""
 
 
+class NotAdmitted(UsageError):
+    """``acquire`` of a request never admitted, while the KV budget has no room for it now: call
+    ``admit`` first and wait while it says False (acquire admits implicitly only what fits)."""
+
+
 class UnknownRequest(UsageError, KeyError):
     """A request the service has never seen (not admitted, not acquired)."""
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import attrs
 
 from kvstate.core import events as ev
-from kvstate.core.checks import ensure_open, keeps
+from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, projected_bytes, size_text
 from kvstate.core.draft import Draft, Step, without
-from kvstate.core.errors import RequestAlreadyAcquired
+from kvstate.core.errors import NotAdmitted, RequestAlreadyAcquired
 from kvstate.core.prefix_index import common_prefix
 from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
 from kvstate.core.request import Request
@@ -50,6 +50,8 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     if request.continuation is not None and state.config.checkpoints:
         key = checkpoint_key(state, namespace, request.continuation.key)
     d = Draft(state)
+    if not lease.admitted:
+        lease = _admitted_implicitly(d, lease)
     d.lease_set(e.lease, attrs.evolve(lease, namespace=namespace, checkpoint_key=key))
     record = state.checkpoints.get(key) if key is not None else None
     out: list = []
@@ -59,6 +61,21 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     else:
         reply = plan_acquire(d, e.lease, e.handle, out)
     return Step(d.build(), tuple(out), reply)
+
+
+def _admitted_implicitly(d: Draft, lease: Lease) -> Lease:
+    """An acquire without ``admit`` admits the request as ``admit`` would, or refuses: the KV budget
+    is never bypassed."""
+    request = lease.request
+    check_context(d, request)
+    need = projected_bytes(d, request)
+    check_budget(d, request, need)
+    budget = d.config.kv_budget_bytes
+    if budget is not None and d.projected_bytes + need > budget:
+        raise NotAdmitted(f"acquire of a request never admitted, and the KV budget has no room for its "
+                          f"{size_text(need)} now; call admit() first and wait while it returns False")
+    d.projected_bytes += need
+    return attrs.evolve(lease, admitted=True, admitted_bytes=need)
 
 
 def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int) -> Pending:

@@ -9,7 +9,7 @@ errors, and the model catalogue. Everything else is importable from
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from kvstate.core.errors import (
-    CheckpointNotAllowed, ContextLimitExceeded, InvalidNamespace, InvalidRequest, KvStateError, OverBudget,
+    CheckpointNotAllowed, ContextLimitExceeded, InvalidNamespace, InvalidRequest, KvStateError, NotAdmitted, OverBudget,
     RequestAlreadyAcquired, RequestKeepsNoState, ServiceClosed, StorageError, TokensDoNotMatchCaches,
     UnknownRequest, UsageError,
 )
@@ -32,7 +32,7 @@ __all__ = [
     "KvCacheService", "AcquiredState", "ObjectHit", "SimObject", "retention", "Request", "Continuation", "ServiceConfig", "Report", "FlushResult",
     "Source", "POLICIES",
     "KvStateError", "UsageError", "StorageError", "InvalidRequest", "InvalidNamespace", "InvalidConfig",
-    "ContextLimitExceeded", "OverBudget", "UnknownRequest", "RequestAlreadyAcquired", "RequestKeepsNoState",
+    "ContextLimitExceeded", "OverBudget", "NotAdmitted", "UnknownRequest", "RequestAlreadyAcquired", "RequestKeepsNoState",
     "TokensDoNotMatchCaches", "CheckpointNotAllowed", "ServiceClosed", "UnknownPolicy", "UnknownModel",
     "CostModel", "FaultPlan", "SimCaches", "SimDisk", "SimulatedCrash",
     "CATALOGUE", "KvScheme", "LayerKind", "LayerSpec", "ModelSpec", "model_spec", "__version__",

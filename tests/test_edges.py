@@ -4,8 +4,8 @@ refuses. The model checks rarely land exactly on an edge; these do, on the simul
 import attrs
 import pytest
 
-from kvstate import (ContextLimitExceeded, InvalidConfig, InvalidRequest, KvCacheService, OverBudget, Request,
-                     ServiceConfig, SimObject, model_spec, retention)
+from kvstate import (ContextLimitExceeded, InvalidConfig, InvalidRequest, KvCacheService, NotAdmitted, OverBudget,
+                     Request, ServiceConfig, SimObject, model_spec, retention)
 from kvstate.core import events
 from kvstate.core.replies import GaveBack
 from kvstate.core.state import initial_state
@@ -101,13 +101,22 @@ def test_a_request_exactly_at_the_budget_is_admitted_and_fills_it():
         KvCacheService.simulated(SPEC, ram_bytes=need, kv_budget_bytes=need - 1).admit(Request(tuple(range(10)), 40))
 
 
-def test_acquiring_without_admission_projects_nothing():
-    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(100), kv_budget_bytes=SPEC.bytes_for(100))
-    request = Request((1, 2, 3), 4)
+def test_acquiring_without_admission_admits_implicitly_and_never_bypasses_the_budget():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(100), kv_budget_bytes=SPEC.bytes_for(10))
+    request = Request((1, 2, 3), 4)                       # 7 tokens projected: fits
     service.acquire(request, "n")
-    assert service.report().projected_bytes == 0
+    assert service.report().projected_bytes == SPEC.bytes_for(7)
+    other = Request((4, 5, 6), 4)                         # 7 more would be 14 > 10
+    before = service.state
+    with pytest.raises(NotAdmitted, match="admit"):
+        service.acquire(other, "n")
+    assert service.state == before
+    with pytest.raises(OverBudget):
+        service.acquire(Request(tuple(range(8)), 4), "n")  # 12 > 10 on its own: never
     service.release(request)
     assert (service.report().projected_bytes, service.report().live_requests) == (0, 0)
+    service.acquire(other, "n")                           # room now
+    assert service.report().projected_bytes == SPEC.bytes_for(7)
 
 
 def test_published_tokens_are_checked_where_they_differ_from_the_prompt():

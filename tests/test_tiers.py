@@ -236,12 +236,12 @@ def test_an_entry_idle_exactly_the_threshold_is_demoted():
     assert service.report().demotions == 1
 
 
-def test_admitting_after_acquiring_holds_the_projected_bytes():
+def test_admitting_after_acquiring_holds_the_projected_bytes_once():
     service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), kv_budget_bytes=SPEC.bytes_for(1000))
     request = Request(tuple(range(100)), 50)
-    service.acquire(request, "n")  # a lease exists, not yet admitted
-    assert service.report().projected_bytes == 0
-    assert service.admit(request)
+    service.acquire(request, "n")  # admitted implicitly
+    assert service.report().projected_bytes == SPEC.bytes_for(150)
+    assert service.admit(request)  # already admitted: nothing more is held
     assert service.report().projected_bytes == SPEC.bytes_for(150)
     service.release(request)
     assert service.report().projected_bytes == 0

@@ -170,7 +170,9 @@ def run_prefixes(trace: Trace, policy: str, ram_bytes: int, disk_bytes: int | No
         raise PolicyNotAtGranularity(f"{policy!r} runs at block granularity only; the service's policies are: "
                                      f"{', '.join(PREFIX_POLICIES)}")
     started = time.perf_counter()
-    spec = model.per_block(BLOCK_TOKENS)
+    # The trace's requests already ran (some past this model's context): the lab replays its cache
+    # decisions, so no request is refused for its length.
+    spec = attrs.evolve(model.per_block(BLOCK_TOKENS), context_limit=None)
     service = KvCacheService.simulated(spec, ram_bytes=ram_bytes, disk_bytes=disk_bytes, policy=policy)
     hit_requests = reused = prompt = accesses = block_hits = 0
     for number, request in enumerate(trace.requests):
