@@ -10,7 +10,7 @@ usable length always leaves one prompt token to compute.
 Updates copy the path from the root (persistence); children live in an
 ``immutables.Map`` (a C HAMT) because the root of a busy namespace has
 thousands of children and pyrsistent's pure-Python pmap costs 5-20x more per
-update there (STYLE.md's measurements).
+update there, measured on this project's machines.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from kvstate.interpreters.traces import bundled
 from kvstate.models import model_spec
 
 MODEL = model_spec("llama-3.1-8b")
-#: The figures ../shared/traces/README.md gives for an unbounded cache (block hit, token-weighted hit).
+#: The figures interpreters/traces/README.md gives for an unbounded cache (block hit, token-weighted hit).
 PUBLISHED = {"conversation_trace.jsonl": (0.3664, 0.3736), "synthetic_trace.jsonl": (0.6396, 0.6512)}
 
 
