@@ -43,14 +43,17 @@ def train_tokenizer(vocab_size: int = VOCAB):
     return tokenizer
 
 
-def save_model_dir(path: str | Path, name: str = "llama", seed: int = 0) -> Path:
-    """Write reference model ``name`` (weights from ``seed``) with a tokenizer to ``path``; the path."""
+def save_model_dir(path: str | Path, name: str = "llama", seed: int = 0, dtype=None, **overrides) -> Path:
+    """Write reference model ``name`` (weights from ``seed``, config ``overrides``, in ``dtype``) with a
+    tokenizer to ``path``; the path."""
     from mlx_lm.utils import save_config, save_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    model, config = build(name, seed=seed, vocab_size=VOCAB)
+    import mlx.core as mx
+
+    model, config = build(name, seed=seed, dtype=dtype or mx.float32, vocab_size=VOCAB, **overrides)
     save_model(path, model)
     save_config({**config, "eos_token_id": tokenizer.token_to_id("<|im_end|>")}, path / "config.json")
     tokenizer.save(str(path / "tokenizer.json"))

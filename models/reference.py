@@ -42,11 +42,12 @@ class UnknownReferenceModel(KeyError):
         return str(self.args[0])
 
 
-def build(name: str, seed: int = 0, dtype=mx.float32, vocab_size: int = VOCAB):
-    """``(model, config)`` for reference model ``name`` with weights drawn from ``seed``."""
+def build(name: str, seed: int = 0, dtype=mx.float32, vocab_size: int = VOCAB, **overrides):
+    """``(model, config)`` for reference model ``name`` with weights drawn from ``seed``; ``overrides``
+    change config fields (a larger geometry for benchmarks, say)."""
     if name not in CONFIGS:
         raise UnknownReferenceModel(f"unknown reference model {name!r}; choose one of: {', '.join(CONFIGS)}")
-    config = {**CONFIGS[name], "vocab_size": vocab_size}
+    config = {**CONFIGS[name], "vocab_size": vocab_size, **overrides}
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)

@@ -1,0 +1,260 @@
+"""``kvstate serve`` against stock ``mlx_lm.server``: the same workloads, the same model directory, one run.
+
+Each workload runs against a fresh server of each kind, started as a process on localhost, warmed
+up with one short request of its own, and driven over HTTP with streamed chat completions (time to
+first token is the time to the first content chunk). Stock gets ``--prompt-cache-bytes`` equal to kvstate's ``--ram-bytes`` and a
+``--prompt-cache-size`` that never binds, so both hold the same RAM.
+
+- ``chat``: S sessions of T turns, C sessions at a time; each turn adds the reply and a new user
+  message. Everything fits in RAM.
+- ``agent``: one conversation of T steps, each appending a tool result to it.
+- ``overflow``: the chat workload, round-robin over sessions, with RAM a quarter of the working set;
+  kvstate has a disk tier behind it.
+- ``restart``: one turn of every session, a server restart, then each session's next turn (the
+  figures are of the turns after the restart); kvstate keeps a disk tier across the restart.
+
+Prints, per workload and server, TTFT p50 and p99, output tokens per second and the cached prompt
+tokens the server reported, then kvstate's figures as ratios of stock's.
+
+    python bench/serve.py [--geometry small|1b] [--workloads chat,agent,overflow,restart]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+GEOMETRIES = {
+    # a small llama, fast on a CPU, big enough that prefill dominates HTTP
+    "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32),
+    # the geometry of Llama 3.2 1B (16 layers, 2048 wide, 8 KV heads of 64), random weights, bf16
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64),
+}
+SYSTEM = ("You are a helpful assistant. Answer briefly and clearly. " * 12).strip()
+WORDS = "the quick brown fox jumps over the lazy dog near the river bank and tells me about the weather".split()
+
+
+def text(n_words: int, salt: int) -> str:
+    return " ".join(WORDS[(salt * 7 + i) % len(WORDS)] for i in range(n_words))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    def __init__(self, kind: str, model: Path, ram_bytes: int, disk: Path | None, log: Path):
+        self.port = free_port()
+        if kind == "kvstate":
+            command = [sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--ram-bytes", str(ram_bytes)]
+            if disk is not None:
+                command += ["--disk-dir", str(disk), "--disk-bytes", str(64 * ram_bytes)]
+        else:
+            command = [sys.executable, "-m", "mlx_lm", "server", "--prompt-cache-bytes", str(ram_bytes),
+                       "--prompt-cache-size", "100000"]
+        self.process = subprocess.Popen([*command, "--model", str(model), "--port", str(self.port)],
+                                        stdout=open(log, "a"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                if self.process.poll() is not None:
+                    break
+                time.sleep(0.3)
+        raise SystemExit(f"the {kind} server did not start; see {log}")
+
+    def warm_up(self) -> None:
+        """One short request of its own first: kernels compiled on first use are not timed."""
+        self.chat([{"role": "system", "content": "warm up"}, {"role": "user", "content": "hello"}], 4)
+
+    def chat(self, messages: list[dict], max_tokens: int) -> dict:
+        """One streamed chat completion: TTFT, tokens out, seconds, cached tokens, the reply."""
+        body = json.dumps({"model": "default_model", "messages": messages, "max_tokens": max_tokens,
+                           "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        start = time.perf_counter()
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        first, pieces, usage = None, [], {}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    pieces.append(content)
+            usage = chunk.get("usage") or usage
+        end = time.perf_counter()
+        connection.close()
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {"ttft": (first or end) - start, "tokens": usage.get("completion_tokens", 0), "seconds": end - start,
+                "cached": cached, "reply": "".join(pieces)}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def conversation_turns(server: Server, sessions: int, turns: int, concurrency: int, user_words: int,
+                       max_tokens: int, round_robin: bool = False, skip: int = 0, histories=None) -> list[dict]:
+    """Run ``turns`` turns of ``sessions`` chats; the records of turns from ``skip`` on."""
+    histories = histories if histories is not None else [[{"role": "system", "content": SYSTEM}]
+                                                         for _ in range(sessions)]
+    records: list[dict] = []
+
+    def turn(s: int, t: int) -> dict:
+        history = histories[s]
+        history.append({"role": "user", "content": text(user_words, s * 100 + t)})
+        result = server.chat(history, max_tokens)
+        history.append({"role": "assistant", "content": result["reply"]})
+        return result
+    if round_robin:  # every session's turn t before any session's turn t + 1: the working set cycles
+        for t in range(turns):
+            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                done = list(pool.map(lambda s: turn(s, t), range(sessions)))
+            if t >= skip:
+                records += done
+        return records
+
+    def whole(s: int) -> list[dict]:
+        return [turn(s, t) for t in range(turns)]
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for session in pool.map(whole, range(sessions)):
+            records += session[skip:]
+    return records
+
+
+def agent_steps(server: Server, steps: int, tool_words: int, max_tokens: int) -> list[dict]:
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text(40, 1)}]
+    records = []
+    for step in range(steps):
+        result = server.chat(history, max_tokens)
+        records.append(result)
+        history += [{"role": "assistant", "content": result["reply"]},
+                    {"role": "user", "content": "Tool result: " + text(tool_words, step + 5)}]
+    return records
+
+
+def summary(records: list[dict]) -> dict:
+    ttfts = sorted(r["ttft"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    return {"requests": len(records), "ttft_p50": statistics.median(ttfts), "ttfts": [r["ttft"] for r in records],
+            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "tok_per_s": tokens / seconds if seconds else 0.0, "cached": sum(r["cached"] for r in records)}
+
+
+def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
+    log = work / f"{kind}-{name}.log"
+    disk = work / f"disk-{kind}-{name}" if kind == "kvstate" and name in ("overflow", "restart") else None
+    ram = args.ram_bytes
+    if name == "overflow":
+        ram = args.overflow_ram_bytes
+    server = Server(kind, model, ram, disk, log)
+    server.warm_up()
+    try:
+        if name == "chat":
+            records = conversation_turns(server, args.sessions, args.turns, args.concurrency, args.user_words,
+                                         args.max_tokens)
+        elif name == "agent":
+            records = agent_steps(server, args.turns * 2, args.tool_words, args.max_tokens)
+        elif name == "overflow":
+            records = conversation_turns(server, args.sessions * 2, args.turns, args.concurrency, args.user_words,
+                                         args.max_tokens, round_robin=True, skip=1)
+        else:  # restart
+            histories = [[{"role": "system", "content": SYSTEM}] for _ in range(args.sessions)]
+            conversation_turns(server, args.sessions, 1, args.concurrency, args.user_words, args.max_tokens,
+                               histories=histories)
+            server.stop()
+            server = Server(kind, model, ram, disk, log)
+            server.warm_up()
+            records = conversation_turns(server, args.sessions, 1, args.concurrency, args.user_words,
+                                         args.max_tokens, histories=histories)
+    finally:
+        server.stop()
+    return summary(records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
+    parser.add_argument("--workloads", default="chat,agent,overflow,restart")
+    parser.add_argument("--sessions", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--user-words", type=int, default=150)
+    parser.add_argument("--tool-words", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--ram-bytes", type=int, default=4 << 30)
+    parser.add_argument("--overflow-ram-bytes", type=int, default=None,
+                        help="RAM for the overflow workload (default: a quarter of its working set)")
+    parser.add_argument("--json", default=None, help="write the figures here too")
+    parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
+    args = parser.parse_args()
+
+    import mlx.core as mx
+
+    from kvstate.models.model_dir import save_model_dir
+    from kvstate.models.reference import build
+
+    work = Path(tempfile.mkdtemp(prefix="kvstate-bench-serve-"))
+    dtype = mx.bfloat16 if args.geometry == "1b" else mx.float32
+    model_dir = save_model_dir(work / "model", "llama", seed=1, dtype=dtype, **GEOMETRIES[args.geometry])
+    if args.overflow_ram_bytes is None:
+        model, _ = build("llama", vocab_size=512, dtype=dtype, **GEOMETRIES[args.geometry])
+        from kvstate.models.mlx_adapter import spec_from_model
+        per_token = spec_from_model(model, "bench").bytes_for(1000) / 1000
+        words_per_session = len(SYSTEM.split()) + args.turns * (args.user_words + args.max_tokens)
+        working_set = int(args.sessions * 2 * words_per_session * 1.5 * per_token)  # about 1.5 tokens a word
+        args.overflow_ram_bytes = max(1 << 20, working_set // 4)
+    rows = {}
+    for name in args.workloads.split(","):
+        rows[name] = {kind: run_workload(name, kind, model_dir, args, work) for kind in ("kvstate", "stock")}
+    print(f"geometry {args.geometry}, {mx.default_device()}, sessions {args.sessions}, turns {args.turns}, "
+          f"concurrency {args.concurrency}, RAM {args.ram_bytes >> 20} MiB (overflow {args.overflow_ram_bytes >> 20} "
+          f"MiB)")
+    print(f"{'workload':10}{'server':9}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}"
+          f"{'cached':>9}")
+    for name, kinds in rows.items():
+        for kind, row in kinds.items():
+            print(f"{name:10}{kind:9}{row['requests']:>9}{row['ttft_p50'] * 1e3:>13.1f}{row['ttft_p99'] * 1e3:>13.1f}"
+                  f"{row['tok_per_s']:>9.1f}{row['cached']:>9}")
+        ours, stock = kinds["kvstate"], kinds["stock"]
+        print(f"{'':10}{'ratio':9}{'':>9}{ours['ttft_p50'] / stock['ttft_p50']:>12.2f}x"
+              f"{ours['ttft_p99'] / stock['ttft_p99']:>12.2f}x{ours['tok_per_s'] / max(stock['tok_per_s'], 1e-9):>8.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copy(log, Path(args.logs) / log.name)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
