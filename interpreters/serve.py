@@ -67,6 +67,8 @@ def check_server_internals() -> Any:
             inspect.signature(server.ModelProvider.load).parameters)[1:] == ["model_path", "adapter_path",
                                                                              "draft_model_path"],
         "APIHandler.do_GET": lambda: callable(getattr(server.APIHandler, "do_GET", None)),
+        "APIHandler.handle_completion(request, stop_words)": lambda: list(
+            inspect.signature(server.APIHandler.handle_completion).parameters)[1:] == ["request", "stop_words"],
         "ResponseGenerator.stop_and_join": lambda: callable(getattr(server.ResponseGenerator, "stop_and_join", None)),
         "main() parsing sys.argv": lambda: callable(getattr(server, "main", None)),
     }
@@ -131,11 +133,56 @@ def metrics_text(service: KvCacheService) -> bytes:
     return generate_latest(registry)
 
 
-def handler_with_metrics(server: Any, service: KvCacheService) -> type:
-    """mlx-lm's request handler with ``GET /metrics`` added; every other path is the server's own."""
+def prompt_tokens(tokenizer: Any, request: Any) -> int:
+    """How many tokens the server will prefill for ``request`` (chat through its template)."""
+    if request.request_type == "chat" and tokenizer.has_chat_template:
+        messages = [{**m, "content": m["content"] if isinstance(m.get("content"), str) else
+                     " ".join(p.get("text", "") for p in m.get("content") or [] if isinstance(p, dict))}
+                    for m in request.messages]
+        return len(tokenizer.apply_chat_template(messages, tools=request.tools, add_generation_prompt=True,
+                                                 tokenize=True))
+    text = request.prompt if request.request_type == "text" else " ".join(
+        str(m.get("content", "")) for m in request.messages)
+    return len(tokenizer.encode(text))
+
+
+def refusal(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: int,
+            budget_bytes: int | None) -> str | None:
+    """Why ``request`` can never run (past the context limit, over the whole KV budget), or None."""
+    spec = service.config.model
+    try:
+        prompt = prompt_tokens(tokenizer, request)
+    except Exception:  # noqa: BLE001 - a prompt the template cannot render: the server's own answer stands
+        return None
+    wanted = prompt + max_tokens
+    if spec.context_limit is not None and wanted > spec.context_limit:
+        return (f"prompt of {prompt} tokens + max_tokens {max_tokens} = {wanted} tokens is past the model's "
+                f"context limit of {spec.context_limit}; shorten the prompt or lower max_tokens")
+    if budget_bytes is not None and spec.bytes_for(wanted) > budget_bytes:
+        return (f"prompt of {prompt} tokens + max_tokens {max_tokens} needs {spec.bytes_for(wanted)} bytes of KV, "
+                f"over the whole KV budget of {budget_bytes} bytes on its own; lower max_tokens")
+    return None
+
+
+def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int | None = None) -> type:
+    """mlx-lm's request handler with ``GET /metrics`` added, and requests that can never run refused
+    with a 400 before they reach the generation thread; everything else is the server's own."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
     class KvStateHandler(server.APIHandler):
+        def handle_completion(self, request, stop_words):
+            tokenizer = self.response_generator.model_provider.tokenizer
+            why = None if tokenizer is None or not isinstance(self.max_tokens, int) else refusal(
+                service, tokenizer, request, self.max_tokens, budget_bytes)
+            if why is not None:
+                self._set_completion_headers(400)
+                self.end_headers()
+                # the OpenAI error shape, so clients show the reason
+                self.wfile.write(json.dumps({"error": {"message": why, "type": "invalid_request_error",
+                                                       "param": None, "code": None}}).encode())
+                return None
+            return super().handle_completion(request, stop_words)
+
         def do_GET(self):
             if self.path.split("?", 1)[0] != "/metrics":
                 return super().do_GET()
@@ -209,7 +256,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         logging.info("kvstate: %d saved prefixes found on disk, %d files rejected", report.saved_entries,
                      report.rejected_files)
         generator = server.ResponseGenerator(model_provider, cache)
-        server._run_http_server(host, port, generator, handler_class=handler_with_metrics(server, cache.service))
+        handler = handler_with_metrics(server, cache.service, options.kv_budget_bytes)
+        server._run_http_server(host, port, generator, handler_class=handler)
 
     def stop(signum, frame):
         raise KeyboardInterrupt  # the server's own shutdown path: stop serving, join the generation thread

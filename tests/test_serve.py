@@ -249,3 +249,20 @@ def test_served_tokens_equal_stock_mlx_lm_server(family, seed, tmp_path):
     assert texts[False] == texts[True]
     if seed is None or family == "llama":
         assert all(n > 0 for n in cached[False][1:]), cached
+
+
+def test_a_request_that_can_never_run_gets_a_400_that_says_why(tmp_path):
+    directory = save_model_dir(tmp_path / "short", "llama", seed=4, max_position_embeddings=128)
+    budget = 64 * 512  # 64 tokens of this llama's KV (2 layers x 2 heads x 16 dims x keys and values, float32)
+    server = Server(directory, "--kv-budget-bytes", str(budget), "--ram-bytes", "16MiB")
+    try:
+        with pytest.raises(openai.BadRequestError, match="context limit"):
+            chat(server, [SYSTEM, {"role": "user", "content": "the quick brown fox " * 40}], max_tokens=8)
+        with pytest.raises(openai.BadRequestError, match="KV budget"):
+            chat(server, [{"role": "user", "content": "Hello"}], max_tokens=100)
+        assert chat(server, [{"role": "user", "content": "Hello"}], max_tokens=8).choices[0].message.content
+        metrics = server.metrics()
+        assert metrics["kvstate_live_requests"] == 0 and metrics["kvstate_hits_total"] + \
+            metrics["kvstate_misses_total"] == 1  # the refused ones never reached the cache
+    finally:
+        server.stop()
