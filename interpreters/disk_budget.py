@@ -19,7 +19,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvstate.interpreters.disk_store import SUFFIX
+from kvstate.interpreters.disk_store import SUFFIX, private_directory
 
 LIVE = ".live"
 ROOT_LOCK = ".budget.lock"
@@ -72,13 +72,13 @@ class RootBudget:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"the root budget must be a non-negative int of bytes, got {max_bytes!r}")
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_directory(self.root)
         self.max_bytes = max_bytes
         self._held: dict[Path, int] = {}
 
     def attach(self, directory: Path) -> None:
         """Mark ``directory`` live (a shared lock held until :meth:`detach`)."""
-        directory.mkdir(parents=True, exist_ok=True)
+        private_directory(directory)
         descriptor = os.open(directory / LIVE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_SH)

@@ -128,11 +128,23 @@ def _header(metadata: dict[str, str], described: dict[str, tuple[str, list[int]]
 
 def write_durably(path: Path, chunks: list) -> None:
     """Write ``chunks`` to a new file at ``path`` and fsync it."""
-    with open(path, "wb") as out:
+    # Owner-only: saved KV state reveals the prompts it was computed from.
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         for chunk in chunks:
             out.write(memoryview(chunk))
         out.flush()
         os.fsync(out.fileno())
+
+
+def private_directory(path: Path) -> None:
+    """Make ``path`` (and its missing parents) owner-only (0700): saved KV state reveals the prompts it
+    was computed from. A directory that already exists keeps its mode: an operator's choice stands."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # made meanwhile by another store
 
 
 def _remove(path: Path) -> None:
@@ -258,7 +270,8 @@ class DiskStore:
         self.verify = verify
         self.directory = self.root / identity.config_fingerprint
         self.rejected_directory = self.directory / "rejected"
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_directory(self.root)
+        private_directory(self.directory)
         self.rejected: list[tuple[str, FailureReason]] = []
         self.budget = budget
         if budget is not None:
@@ -535,7 +548,7 @@ class DiskStore:
             n += 1
             target = self.rejected_directory / f"{path.name}.{reason.value}.{n}"
         try:
-            self.rejected_directory.mkdir(exist_ok=True)
+            private_directory(self.rejected_directory)
             os.replace(path, target)
         except FileNotFoundError:
             return

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvstate.core.state import ON_DISK
-from kvstate.effects import DiskKey
+from kvstate.effects import DiskKey, FailureReason
 from kvstate.interpreters.disk_budget import LIVE, ROOT_LOCK, RootBudget, directory_bytes
 from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
 
@@ -170,3 +170,18 @@ def test_checkpoint_files_count_against_the_disk_budget(tmp_path):
     service.release(request, completed=True)
     assert service.report().disk_bytes == directory_files_bytes(directory) == 0
     service.close()
+
+
+def test_saved_state_is_owner_only(tmp_path):
+    """Saved KV state reveals the prompts it was computed from: directories 0700, files 0600."""
+    root = tmp_path / "root"
+    store = DiskStore(root, StoreIdentity("m", "t", "cfg-m"), budget=RootBudget(root, 1 << 30))
+    save(store, 1)
+    store.move_aside(next(store.directory.glob("*.safetensors")), FailureReason.CORRUPT)
+    save(store, 1, start=50)
+    for directory in (root, store.directory, store.rejected_directory):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+    for file in [*store.directory.glob("*.safetensors"), *store.rejected_directory.iterdir(),
+                 store.directory / LIVE]:
+        assert file.stat().st_mode & 0o777 == 0o600, file
+    store.close()
