@@ -83,16 +83,8 @@ def _make_room(d: Draft, tier: TierDraft, need: int, out: list, evictable: Evict
 
 def drop_ram(d: Draft, entry: Entry, out: list) -> None:
     """Release ``entry``'s RAM copy: gone if it had no disk copy, disk-only otherwise."""
-    after = moved(entry.residence, Move.DROP_RAM)
     out.append(fx.DropEntry(entry.id))
-    ram = d.ram
-    ram.index = ram.index.remove(entry.namespace, entry.tokens)
-    ram.bytes -= entry.nbytes
-    ram.policy = ram.strategy.removed(ram.policy, entry.id)
-    if after is None:
-        d.entries = d.entries.delete(entry.id)
-    else:
-        d.set_entry(attrs.evolve(entry, residence=after, demote=False))
+    _leave(d, d.ram, entry, entry.nbytes, moved(entry.residence, Move.DROP_RAM), demote=False)
 
 
 def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
@@ -100,14 +92,19 @@ def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
     after = moved(entry.residence, Move.DROP_DISK if entry.residence is not R.PREFETCHING else Move.READ_FAILED)
     if delete:
         out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
-    disk = d.disk
-    disk.index = disk.index.remove(entry.namespace, entry.tokens)
-    disk.bytes -= entry.file_bytes
-    disk.policy = disk.strategy.removed(disk.policy, entry.id)
+    _leave(d, d.disk, entry, entry.file_bytes, after)
+
+
+def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residence | None, **changes) -> None:
+    """``entry`` leaves ``tier`` (its index, its ``charge`` of bytes, its policy) for residence
+    ``after``; None: the entry is gone."""
+    tier.index = tier.index.remove(entry.namespace, entry.tokens)
+    tier.bytes -= charge
+    tier.policy = tier.strategy.removed(tier.policy, entry.id)
     if after is None:
         d.entries = d.entries.delete(entry.id)
     else:
-        d.set_entry(attrs.evolve(entry, residence=after))
+        d.set_entry(attrs.evolve(entry, residence=after, **changes))
 
 
 def insert_ram(d: Draft, entry: Entry) -> None:
