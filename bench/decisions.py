@@ -1,16 +1,21 @@
-"""Decision latency of the service: admit, acquire (hit and miss), publish, release.
+"""Decision latency of the service: admit, acquire (hit and miss), publish, release, against mlx-lm's
+``LRUPromptCache`` on the same token lists, timed in the same run.
 
 Runs the facade on the simulator (every call goes through ``core.step`` and
-its effects) with 1k, 10k and 100k kept entries of 512 tokens (64 shared
-512-token-long families: a 384-token system prompt and a 128-token turn) and
-4096-token prompts. A hit reuses an entry's 512 tokens; a miss shares nothing.
-Publish keeps a new 4096-token state (capacity leaves room, so no eviction
-is timed). ``index lookup`` is the prefix index alone answering the
-longest usable prefix of a hit prompt. Prints median and p99 microseconds per
-call, and each median as a ratio to a baseline timed in the same run: a plain
-dict lookup keyed by the 4096-token prompt (hashing the prompt once, the least
-any cache keyed by tokens does per request). ``--no-gc`` keeps the cyclic
-garbage collector off while timing.
+its effects) with 1k, 10k and 100k kept entries of 2,000 tokens (10 families
+sharing a 1,000-token system prompt, then 1,000 tokens of their own) and
+4,000-token prompts: a hit reuses an entry's 2,000 tokens, a miss shares
+nothing. Publish keeps a new 4,000-token state (capacity leaves room, so no
+eviction is timed). ``index lookup`` is the prefix index alone answering the
+longest usable prefix of a hit prompt. The peer, ``LRUPromptCache`` (what
+``mlx_lm.server`` uses), holds the same entries (with empty cache lists, so no
+tensor copy is timed on either side): ``fetch_nearest_cache`` of the hit
+prompt, and ``insert_cache`` of the published tokens. Prints median and p99
+microseconds per call, each median as a ratio to a plain dict lookup keyed by
+the prompt (hashing it once, the least any cache keyed by tokens does), and
+kvstate's request (admit + acquire hit + release) and publish as ratios of the
+peer's fetch and insert. ``--no-gc`` keeps the cyclic garbage collector off
+while timing.
 
     python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
 """
@@ -22,11 +27,14 @@ import gc
 import statistics
 import time
 
+from mlx_lm.models.cache import LRUPromptCache
+
 from kvstate import KvCacheService, Request, SimCaches, model_spec
 
 SPEC = model_spec("llama-3.1-8b")
-FAMILIES, SYSTEM, TURN, PROMPT = 64, 384, 128, 4096
+FAMILIES, SYSTEM, TURN, PROMPT = 10, 1000, 1000, 4000
 BASELINE = "dict lookup"
+PEER_FETCH, PEER_INSERT = "peer fetch", "peer insert"
 
 
 def entry_tokens(i: int) -> tuple[int, ...]:
@@ -35,14 +43,16 @@ def entry_tokens(i: int) -> tuple[int, ...]:
     return system + tuple(range(10**9 + i * TURN, 10**9 + (i + 1) * TURN))
 
 
-def build(entries: int, samples: int) -> KvCacheService:
+def build(entries: int, samples: int) -> tuple[KvCacheService, LRUPromptCache]:
     capacity = SPEC.bytes_for(SYSTEM + TURN) * entries + SPEC.bytes_for(PROMPT) * (samples + 8)
     service = KvCacheService.simulated(SPEC, ram_bytes=capacity, kv_budget_bytes=SPEC.bytes_for(PROMPT + 256) * 4096)
+    peer = LRUPromptCache(max_size=1 << 62)
     for i in range(entries):
         tokens = entry_tokens(i)
         service.publish(Request(tokens, 1), "bench", tokens, SimCaches(tokens, SPEC))
-    assert service.report().entries == entries
-    return service
+        peer.insert_cache("bench", list(tokens), [])
+    assert service.report().entries == entries and len(peer) == entries
+    return service, peer
 
 
 def timed(call) -> float:
@@ -52,9 +62,10 @@ def timed(call) -> float:
 
 
 def measure(entries: int, samples: int) -> dict[str, list[float]]:
-    service = build(entries, samples)
+    service, peer = build(entries, samples)
     times: dict[str, list[float]] = {"admit": [], "acquire hit": [], "acquire miss": [], "publish": [],
-                                     "release": [], "index lookup": [], BASELINE: []}
+                                     "release": [], "request": [], "index lookup": [], BASELINE: [],
+                                     PEER_FETCH: [], PEER_INSERT: []}
     index = service.state.ram.index
     table = {entry_tokens(i): i for i in range(entries)}
     tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
@@ -73,8 +84,14 @@ def measure(entries: int, samples: int) -> dict[str, list[float]]:
         caches = SimCaches(miss_prompt, SPEC)
         times["publish"].append(timed(lambda: service.publish(miss, "bench", miss_prompt, caches)))
         times["release"].append(timed(lambda: service.release(hit)))
+        times["request"].append(times["admit"][-1] + times["acquire hit"][-1] + times["release"][-1])
         times["index lookup"].append(timed(lambda: index.longest("bench", hit_prompt)))
         times[BASELINE].append(timed(lambda: table.get(hit_prompt)))
+        listed_hit, listed_miss = list(hit_prompt), list(miss_prompt)
+        fetched = []
+        times[PEER_FETCH].append(timed(lambda: fetched.append(peer.fetch_nearest_cache("bench", listed_hit))))
+        assert len(listed_hit) - len(fetched[0][1]) == SYSTEM + TURN
+        times[PEER_INSERT].append(timed(lambda: peer.insert_cache("bench", listed_miss, [])))
         service.release(miss)
     return times
 
@@ -100,13 +117,18 @@ def main() -> None:
     ops = list(next(iter(rows.values())))
     header = f"{'operation':14}" + "".join(f"{f'{size:,} entries':>34}" for size in sizes)
     print(f"µs per call, median / p99 (median over the same run's {BASELINE} of the prompt), "
-          f"{PROMPT}-token prompts, {args.samples} samples each" + (", GC off while timing" if args.no_gc else ""))
+          f"{PROMPT}-token prompts, {args.samples} samples each" + (", GC off while timing" if args.no_gc else "")
+          + "; 'request' is admit + acquire hit + release")
     print(header)
     for op in ops:
         cells = "".join(f"{statistics.median(rows[s][op]):>13.1f} / {p99(rows[s][op]):>7.1f} "
                         f"({statistics.median(rows[s][op]) / statistics.median(rows[s][BASELINE]):>6.1f}x)"
                         for s in sizes)
         print(f"{op:14}{cells}")
+    for ours, theirs in (("request", PEER_FETCH), ("publish", PEER_INSERT)):
+        cells = "".join(f"{statistics.median(rows[s][ours]) / statistics.median(rows[s][theirs]):>33.3f}x"
+                        for s in sizes)
+        print(f"{ours + ' / ' + theirs:14}{cells}")
 
 
 if __name__ == "__main__":

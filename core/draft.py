@@ -30,13 +30,16 @@ class Step:
 class TierDraft:
     """A tier being worked on: its index, bytes and policy state are rebound in place."""
 
-    __slots__ = ("index", "bytes", "capacity", "strategy", "policy")
+    __slots__ = ("index", "bytes", "capacity", "strategy", "policy", "_tier")
 
     def __init__(self, tier: Tier):
         self.index, self.bytes, self.capacity = tier.index, tier.bytes, tier.capacity
-        self.strategy, self.policy = tier.strategy, tier.policy
+        self.strategy, self.policy, self._tier = tier.strategy, tier.policy, tier
 
     def frozen(self) -> Tier:
+        tier = self._tier
+        if self.index is tier.index and self.bytes == tier.bytes and self.policy is tier.policy:
+            return tier  # untouched: the same value
         return Tier(self.index, self.bytes, self.capacity, self.strategy, self.policy)
 
 
