@@ -24,6 +24,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def positive_int(text: str) -> int:
+    """A count of at least 1 (``--limit``, ``--requests``, ``--sessions``, ``--turns``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _version() -> str:
     from kvstate import __version__
     return __version__
@@ -34,9 +45,19 @@ def _replay(args: argparse.Namespace) -> int:
     from kvstate.interpreters.service import KvCacheService
     from kvstate.interpreters.traces import bundled
 
+    from kvstate.interpreters.replay import TraceFormatError
+
     path = args.trace or str(bundled())
     if args.trace is None:
         print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
+    try:
+        requests = list(read_mooncake(path))
+    except (OSError, TraceFormatError, UnicodeDecodeError) as error:
+        print(f"kvstate replay: cannot read the trace: {error}", file=sys.stderr)
+        return 2
+    if not requests:
+        print(f"kvstate replay: {path} holds no requests", file=sys.stderr)
+        return 2
     service = KvCacheService.simulated(args.model, ram_bytes=args.ram, disk_bytes=args.disk,
                                        kv_budget_bytes=args.budget, policy=args.policy)
 
@@ -44,7 +65,7 @@ def _replay(args: argparse.Namespace) -> int:
         if done % 1000 == 0:
             print(f"  ... {done} requests", file=sys.stderr, flush=True)
 
-    result = replay(read_mooncake(path), service, limit=args.limit, progress=progress)
+    result = replay(iter(requests), service, limit=args.limit, progress=progress)
     service.close()
     print(f"model {args.model}, policy {args.policy}, RAM {args.ram / (1 << 30):.1f} GiB"
           + (f", disk {args.disk / (1 << 30):.1f} GiB" if args.disk is not None else ", no disk tier"))
@@ -76,13 +97,16 @@ def _simulate(args: argparse.Namespace) -> int:
         path = args.trace or str(bundled())
         try:
             trace = traces.read(path)
-        except (OSError, TraceFormatError) as error:
+        except (OSError, TraceFormatError, UnicodeDecodeError) as error:
             print(f"kvstate simulate: cannot read the trace: {error}", file=sys.stderr)
             return 2
         if args.trace is None:
             print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
-    if args.limit:
+    if args.limit is not None:
         trace = traces.Trace(trace.name, trace.requests[:args.limit])
+    if not trace.requests:
+        print(f"kvstate simulate: {trace.name} holds no requests", file=sys.stderr)
+        return 2
     model = model_spec(args.model)
     known = BLOCK_POLICIES if args.granularity == "block" else PREFIX_POLICIES
     policies = [p.strip().lower() for p in (args.policy or ",".join(known)).split(",") if p.strip()]
@@ -140,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--disk", type=parse_bytes, default=None, help="disk tier capacity (default: none)")
     replay.add_argument("--budget", type=parse_bytes, default=None, help="KV budget for admitted requests")
     replay.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
-    replay.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    replay.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     replay.set_defaults(run=_replay)
     simulate = commands.add_parser(
         "simulate", help="the eviction lab: sweep policies and capacities over a trace",
@@ -162,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--disk", type=parse_bytes, default=None, help="a disk tier behind RAM, e.g. 2TB")
     simulate.add_argument("--synthetic", choices=["chat", "agent", "rag"],
                           help="generate a workload instead of reading a trace")
-    simulate.add_argument("--requests", type=int, default=5000, help="requests to generate (default 5000)")
+    simulate.add_argument("--requests", type=positive_int, default=5000, help="requests to generate (default 5000)")
     simulate.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
-    simulate.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    simulate.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     simulate.add_argument("--processes", type=int, default=None, help="parallel runs (default: one per core)")
     simulate.add_argument("--progress", action="store_true", help="show the progress bar even when not a tty")
     simulate.add_argument("--json", default="kvstate-lab.json",
@@ -180,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "turn the reused tokens and time to first token, then the hit rate and the service report.")
     demo.add_argument("--model", default="llama", choices=["llama", "gemma3_text", "qwen3_next", "mamba"])
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--sessions", type=int, default=3)
-    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--sessions", type=positive_int, default=3)
+    demo.add_argument("--turns", type=positive_int, default=4)
     demo.set_defaults(run=_demo)
     commands.add_parser(
         "serve", add_help=False,

@@ -73,3 +73,37 @@ def test_main_job_runs_on_the_bundled_trace():
     assert done.returncode == 0, done.stderr
     assert "bundled Mooncake conversation trace" in done.stdout
     assert "token hit ratio" in done.stdout and "requests            200" in done.stdout
+
+
+#: Each bad input as a new user would try it, and what the message must say ({dir}: a fresh folder;
+#: binary, malformed and empty traces are written there).
+BAD_INPUTS = {
+    "missing": (["replay", "{dir}/nope.jsonl"], "cannot read"),
+    "binary": (["replay", "{dir}/binary.jsonl"], "cannot read"),
+    "malformed": (["replay", "{dir}/malformed.jsonl"], "cannot read"),
+    "directory": (["replay", "{dir}"], "cannot read"),
+    "empty": (["replay", "{dir}/empty.jsonl"], "no requests"),
+    "limit -1": (["replay", "--limit", "-1"], "at least 1"),
+    "limit 0": (["replay", "--limit", "0"], "at least 1"),
+    "limit -5": (["replay", "--limit", "-5"], "at least 1"),
+    "simulate binary": (["simulate", "{dir}/binary.jsonl", "--json", "", "--plot", ""], "cannot read"),
+    "simulate empty": (["simulate", "{dir}/empty.jsonl", "--json", "", "--plot", ""], "no requests"),
+    "requests 0": (["simulate", "--synthetic", "chat", "--requests", "0"], "at least 1"),
+    "requests -5": (["simulate", "--synthetic", "chat", "--requests", "-5"], "at least 1"),
+    "sessions 0": (["demo", "--sessions", "0"], "at least 1"),
+    "turns 0": (["demo", "--turns", "0"], "at least 1"),
+    "sessions -1": (["demo", "--sessions", "-1"], "at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_at_the_command_line_is_a_message_not_a_traceback(case, tmp_path):
+    """Every bad input says what is wrong, exits 2, and prints no report as if it had run."""
+    (tmp_path / "binary.jsonl").write_bytes(b"\x00\x01\xff\xfegarbage")
+    (tmp_path / "malformed.jsonl").write_text("{not json\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    argv, said = BAD_INPUTS[case]
+    result = run_cli(*[arg.replace("{dir}", str(tmp_path)) for arg in argv])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+    assert "report:" not in result.stdout and "hit rate" not in result.stdout
