@@ -26,9 +26,3 @@ def short_prefixes(max_tokens: int) -> Retention:
         return len(tokens) <= max_tokens
     return protect
 
-
-def sessionless() -> Retention:
-    """Protect state published by requests without a session: shared, not one conversation's."""
-    def protect(namespace: str, tokens: tuple, request: Request) -> bool:
-        return request.session_id is None
-    return protect

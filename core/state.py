@@ -13,7 +13,7 @@ where pyrsistent's pure-Python pmap costs 5-20x more, measured on this project's
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import immutables
@@ -23,6 +23,7 @@ from kvstate.core.policies import EvictionPolicy, policy
 from kvstate.core.policies.lru import LRU
 from kvstate.core.prefix_index import PrefixIndex
 from kvstate.core.request import Request
+from kvstate.core.retention import Retention
 from kvstate.models.spec import ModelSpec
 
 GiB = 1 << 30
@@ -95,9 +96,6 @@ class Phase(enum.Enum):
     OPEN = "open"          #: serving
     CLOSING = "closing"    #: close() is flushing
     CLOSED = "closed"      #: cleared; only report and close answer
-
-
-Retention = Callable[[str, tuple, Request], bool]
 
 
 @attrs.frozen

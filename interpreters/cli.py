@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Sequence
 
 import attrs
 
 from kvstate.core.policies import POLICIES
+from kvstate.interpreters import sizes
 from kvstate.models.catalogue import CATALOGUE
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-
-
 def parse_bytes(text: str) -> int:
-    """``'384GiB'``, ``'2T'``, ``'500MB'`` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 64GiB, 2T, 500MB or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """A size argument: ``'384GiB'``, ``'2T'``, ``'500MB'`` or a plain number of bytes."""
+    try:
+        return sizes.parse_bytes(text)
+    except sizes.BadQuantity as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_int(text: str) -> int:

@@ -610,5 +610,17 @@ class DiskStore:
         return None
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(namespace, tokens)`` of every saved prefix, from headers alone."""
-        return [(r.namespace, r.tokens) for r in self.scan()[0] if r.namespace != OBJECTS]
+        """``(namespace, tokens)`` of every valid saved prefix, from headers alone. A look, not a scan:
+        nothing is moved, deleted or counted (a bad file is left for the next scan to judge)."""
+        found = []
+        for path in sorted(self.directory.iterdir()):
+            if path.name.startswith(".") or not path.name.endswith(SUFFIX):
+                continue
+            try:
+                with self._open(path) as file:
+                    described = self._describe(path, file)[0]
+            except RejectedFile:
+                continue
+            if described.kind == "prefix" and described.namespace != OBJECTS:
+                found.append((described.namespace, described.tokens))
+        return found

@@ -7,10 +7,11 @@ them in ``ArraysCache``.
 
 from __future__ import annotations
 
+from kvstate.core.errors import UsageError
 from kvstate.models.spec import LayerKind, LayerSpec, ModelSpec
 
 
-class UnknownModel(KeyError):
+class UnknownModel(UsageError, KeyError):
     """A model name that is not in the catalogue."""
 
     def __str__(self) -> str:

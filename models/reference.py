@@ -13,6 +13,8 @@ import importlib
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from kvstate.core.errors import UsageError
+
 VOCAB = 256
 
 CONFIGS: dict[str, dict] = {
@@ -35,7 +37,7 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-class UnknownReferenceModel(KeyError):
+class UnknownReferenceModel(UsageError, KeyError):
     """A reference model name that is not one of :data:`CONFIGS`."""
 
     def __str__(self) -> str:

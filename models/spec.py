@@ -145,10 +145,6 @@ class ModelSpec:
         if self.context_limit is not None and self.context_limit <= 0:
             raise ValueError(f"model {self.name!r}: context_limit must be positive or None")
 
-    def with_kv(self, kv: KvScheme) -> "ModelSpec":
-        """The same geometry under another KV storage scheme."""
-        return attrs.evolve(self, kv=kv, name=f"{self.name}@{kv.name}")
-
     def per_block(self, block_tokens: int) -> "ModelSpec":
         """The same geometry counted in positions of ``block_tokens`` tokens each."""
         limit = None if self.context_limit is None else max(1, self.context_limit // block_tokens)

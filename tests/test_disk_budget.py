@@ -185,3 +185,14 @@ def test_saved_state_is_owner_only(tmp_path):
                  store.directory / LIVE]:
         assert file.stat().st_mode & 0o777 == 0o600, file
     store.close()
+
+
+def test_listing_saved_prefixes_changes_nothing(tmp_path):
+    """saved_prefixes() only looks: a bad file stays where it is, a temp file stays, nothing is counted."""
+    store = DiskStore(tmp_path, StoreIdentity("m", "t", "cfg-m"))
+    save(store, 2)
+    (store.directory / "prefix-bad.safetensors").write_bytes(b"garbage")
+    (store.directory / ".prefix-x.tmp-1-1.safetensors").write_bytes(b"half")
+    before = sorted(p.name for p in store.directory.iterdir())
+    assert len(store.saved_prefixes()) == 2
+    assert sorted(p.name for p in store.directory.iterdir()) == before and store.rejected == []

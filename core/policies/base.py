@@ -15,6 +15,8 @@ import attrs
 import immutables
 from pyrsistent import PVector, pvector
 
+from kvstate.core.errors import UsageError
+
 Evictable = Callable[[int], bool]
 
 
@@ -39,7 +41,7 @@ class EvictionPolicy(Protocol):
         """``(state, victim)``: the key to evict among those ``evictable`` allows, forgotten; or None."""
 
 
-class UnknownPolicy(KeyError):
+class UnknownPolicy(UsageError, KeyError):
     """A policy name that is not registered."""
 
     def __str__(self) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import re
 import sys
 from typing import Sequence
 
@@ -17,12 +16,9 @@ from kvstate.interpreters.lab.runs import (
 from kvstate.interpreters.lab.traces import Trace
 from kvstate.interpreters.replay import BLOCK_TOKENS
 from kvstate.interpreters.simulator import CostModel
+from kvstate.interpreters.sizes import BYTE_UNITS, COUNT_LETTERS, BadQuantity, split_quantity
 from kvstate.models.spec import ModelSpec
 
-UNITS = ("blocks", "tokens", "bytes")
-_COUNT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
 class BadCapacity(ValueError):
@@ -44,19 +40,19 @@ def parse_capacity(text: str, unit: str, trace: Trace, model: ModelSpec) -> Capa
     """``1000`` (in ``unit``), ``3M`` / ``512K`` (counts), ``20GB`` / ``8GiB`` (bytes), ``0.1`` (a fraction
     of the trace's working set: its unique blocks)."""
     per_block = block_bytes(model)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match:
-        raise BadCapacity(f"not a capacity: {text!r} (try 1000, 3M, 20GB or 0.1)")
-    number, suffix = float(match.group(1)), match.group(2).lower()
-    if suffix in _BYTES:
-        nbytes = int(number * _BYTES[suffix])
+    try:
+        digits, number, suffix = split_quantity(text)
+    except BadQuantity:
+        raise BadCapacity(f"not a capacity: {text!r} (try 1000, 3M, 20GB or 0.1)") from None
+    if suffix in BYTE_UNITS:
+        nbytes = int(number * BYTE_UNITS[suffix])
         return Capacity(text, number, "bytes", nbytes // per_block if per_block else 0, nbytes)
-    if suffix not in _COUNT:
+    if suffix not in COUNT_LETTERS:
         raise BadCapacity(f"unknown suffix in {text!r}: counts take K, M, G, T; sizes KB, MB, GB, GiB, ...")
-    if "." in match.group(1) and number <= 1 and not suffix:
+    if "." in digits and number <= 1 and not suffix:
         blocks = int(number * trace.unique_blocks)
         return Capacity(text, number, "working set", blocks, blocks * per_block)
-    count = number * _COUNT[suffix]
+    count = number * COUNT_LETTERS[suffix]
     if unit == "blocks":
         blocks = int(count)
     elif unit == "tokens":
