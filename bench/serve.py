@@ -12,6 +12,8 @@ first token is the time to the first content chunk). Stock gets ``--prompt-cache
   kvstate has a disk tier behind it.
 - ``restart``: one turn of every session, a server restart, then each session's next turn (the
   figures are of the turns after the restart); kvstate keeps a disk tier across the restart.
+- ``burst``: S requests at once sharing a long system prompt nothing holds yet, each with its own
+  question: how much of the shared prompt the later ones reuse while the first computes it.
 
 Prints, per workload and server, TTFT p50 and p99, output tokens per second and the cached prompt
 tokens the server reported, then kvstate's figures as ratios of stock's.
@@ -188,6 +190,11 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
         elif name == "overflow":
             records = conversation_turns(server, args.sessions * 2, args.turns, args.concurrency, args.user_words,
                                          args.max_tokens, round_robin=True, skip=1)
+        elif name == "burst":
+            shared = {"role": "system", "content": " ".join([SYSTEM] * 4)}
+            prompts = [[shared, {"role": "user", "content": text(20, n)}] for n in range(args.sessions)]
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                records = list(pool.map(lambda messages: server.chat(messages, args.max_tokens), prompts))
         else:  # restart
             histories = [[{"role": "system", "content": SYSTEM}] for _ in range(args.sessions)]
             conversation_turns(server, args.sessions, 1, args.concurrency, args.user_words, args.max_tokens,
@@ -205,7 +212,7 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
-    parser.add_argument("--workloads", default="chat,agent,overflow,restart")
+    parser.add_argument("--workloads", default="chat,agent,overflow,restart,burst")
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=3)
