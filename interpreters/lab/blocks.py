@@ -224,7 +224,11 @@ class GDSFBlocks:
 
 
 class ARCBlocks:
-    """Adaptive Replacement Cache (Megiddo and Modha, FAST'03): recency and frequency lists with ghosts."""
+    """Adaptive Replacement Cache (Megiddo and Modha, FAST'03): recency and frequency lists with ghosts.
+
+    The target size ``p`` of the recency list is a real number moved by the plain ratio of the ghost
+    lists (at least 1), as the paper's Figure 4 and libCacheSim's wheel have it; an integer ``p``
+    moved by the floored ratio decides differently once the ratio is not whole."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -232,7 +236,7 @@ class ARCBlocks:
         self._t2: OrderedDict = OrderedDict()
         self._b1: OrderedDict = OrderedDict()
         self._b2: OrderedDict = OrderedDict()
-        self._p = 0
+        self._p = 0.0
 
     def lookup(self, block: int) -> bool:
         if block in self._t1:
@@ -256,13 +260,13 @@ class ARCBlocks:
     def insert(self, block: int):
         c, victim = self.capacity, None
         if block in self._b1:
-            self._p = min(c, self._p + max(1, len(self._b2) // max(1, len(self._b1))))
+            self._p = min(float(c), self._p + max(1.0, len(self._b2) / len(self._b1)))
             victim = self._replace(False)
             del self._b1[block]
             self._t2[block] = None
             return victim
         if block in self._b2:
-            self._p = max(0, self._p - max(1, len(self._b1) // max(1, len(self._b2))))
+            self._p = max(0.0, self._p - max(1.0, len(self._b1) / len(self._b2)))
             victim = self._replace(True)
             del self._b2[block]
             self._t2[block] = None
