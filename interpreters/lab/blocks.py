@@ -132,53 +132,67 @@ class SIEVEBlocks:
 
 
 class S3FIFOBlocks:
-    """Small FIFO (a tenth), main FIFO and ghost list; Algorithm 1 of the SOSP'23 paper."""
+    """S3-FIFO (SOSP'23) as libCacheSim's ``S3FIFO.c`` defines it: a small FIFO of a tenth of the
+    capacity, a main FIFO run as a 2-bit clock, and a ghost FIFO of 0.9 x capacity ids.
+
+    A miss enters the small queue, or the main queue when its id is in the ghost (or while the small
+    queue is full and nothing was evicted yet). Evicting from the small queue moves a block used at
+    least twice to the main queue and otherwise evicts it into the ghost; evicting from the main
+    queue gives a used block another pass with one use less (at most 2 kept). The main queue is
+    evicted from when it is over its share or the small queue is empty.
+    """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._small_size = max(1, capacity // 10)
-        self._small: OrderedDict = OrderedDict()
+        self._small_size = int(capacity * 0.1)
+        self._main_size = capacity - self._small_size
+        self._ghost_size = int(capacity * 0.9)
+        self._small: OrderedDict = OrderedDict()   # block -> uses since it entered
         self._main: OrderedDict = OrderedDict()
         self._ghost: OrderedDict = OrderedDict()
-        self._freq: dict[int, int] = {}
+        self._evicted = False
 
     def lookup(self, block: int) -> bool:
-        freq = self._freq.get(block)
-        if freq is None:
-            return False
-        if freq < 3:
-            self._freq[block] = freq + 1
-        return True
+        for queue in (self._small, self._main):
+            if block in queue:
+                queue[block] += 1
+                return True
+        return False
 
-    def _evict(self):
-        while True:
-            if self._small and (len(self._small) >= self._small_size or not self._main):
-                block, _ = self._small.popitem(last=False)
-                if self._freq[block] > 1:
-                    self._freq[block] = 0
-                    self._main[block] = None
-                    continue
-                del self._freq[block]
-                self._ghost[block] = None
-                if len(self._ghost) > max(1, len(self._main)):
-                    self._ghost.popitem(last=False)
-                return block
-            block, _ = self._main.popitem(last=False)
-            if self._freq[block] > 0:
-                self._freq[block] -= 1
-                self._main[block] = None
+    def _evict(self) -> int | None:
+        self._evicted = True
+        if len(self._main) > self._main_size or not self._small:
+            while self._main:
+                block, uses = self._main.popitem(last=False)
+                if uses < 1:
+                    return block
+                self._main[block] = min(uses, 3) - 1
+            return None
+        while self._small:
+            block, uses = self._small.popitem(last=False)
+            if uses >= 2:
+                self._main[block] = 0
                 continue
-            del self._freq[block]
+            if self._ghost_size > 0:
+                while len(self._ghost) >= self._ghost_size:
+                    self._ghost.popitem(last=False)
+                self._ghost[block] = None
             return block
+        return None
 
     def insert(self, block: int):
-        victim = self._evict() if len(self._freq) >= self.capacity else None
-        self._freq[block] = 0
-        if block in self._ghost:
+        if self._small_size < 1:
+            return None  # libCacheSim keeps nothing a small queue of no size cannot take
+        ghost_hit = block in self._ghost
+        if ghost_hit:
             del self._ghost[block]
-            self._main[block] = None
+        victim = None
+        while len(self._small) + len(self._main) >= self.capacity:
+            victim = self._evict()
+        if ghost_hit or (not self._evicted and len(self._small) >= self._small_size):
+            self._main[block] = 0
         else:
-            self._small[block] = None
+            self._small[block] = 0
         return victim
 
 
