@@ -163,6 +163,8 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
             d.sessions = d.sessions.set(session, (namespace, tokens))
         return [fx.DropPublished(handle)], Kept(existing, duplicate=True)
     out: list = []
+    tag = content_tag(namespace, tokens)
+    d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)  # before room is made for it
     if not make_ram_room(d, nbytes, out):
         reason = NotKeptReason.TOO_LARGE if nbytes > d.ram.capacity else NotKeptReason.NO_ROOM
         d.count("not_kept")
@@ -181,7 +183,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         out.append(fx.AdoptPublished(handle, entry.id))
     else:
         entry = Entry(d.next_entry, namespace, tokens, nbytes, trimmable, R.RAM, d.now, session, protected,
-                      content_tag(namespace, tokens), file_bytes=file_bytes)
+                      tag, file_bytes=file_bytes)
         d.set_entry(entry)
         d.next_entry = entry.id + 1
         d.ram.bytes += nbytes
@@ -305,6 +307,7 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> tuple[list, o
     if entry.residence is not R.DISK or disk_entry in d.reading:
         return [], False
     out: list = []
+    d.ram.policy = d.ram.strategy.arriving(d.ram.policy, entry.tag)
     if not make_ram_room(d, entry.nbytes, out):
         return [], False
     entry = attrs.evolve(d.entries[entry.id], residence=moved(R.DISK, Move.PREFETCH))

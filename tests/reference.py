@@ -225,29 +225,40 @@ class NaiveGDSF:
 
 
 class NaiveS3FIFO:
-    """S3-FIFO (Yang et al., SOSP'23, Algorithm 1) over plain lists: a small FIFO of a tenth of the
-    capacity, a main FIFO, a ghost list of evicted content no longer than main, uses capped at 3."""
+    """S3-FIFO as libCacheSim's ``S3FIFO.c`` defines it, over plain lists, in bytes: a small FIFO of a
+    tenth of the capacity, a main FIFO run as a 2-bit clock, and a ghost FIFO of content tags holding
+    0.9 x capacity bytes; keys that may not be evicted are passed over."""
 
     def __init__(self, capacity):
         self.capacity = capacity
+        self.small_cap = int(0.1 * capacity)
+        self.ghost_cap = int(0.9 * capacity)
         self.small: list = []
         self.main: list = []
         self.freq: dict = {}
         self.size: dict = {}
         self.tag: dict = {}
-        self.ghost: list = []  # content tags, oldest first
+        self.ghost: list = []  # (tag, bytes), oldest first
+        self.evicted = False
+        self.arrived = None
+
+    def arriving(self, tag):
+        """A miss on ``tag``: it leaves the ghost before room is made for it."""
+        self.arrived = tag if any(t == tag for t, _ in self.ghost) else None
+        self.ghost = [(t, s) for t, s in self.ghost if t != tag]
 
     def insert(self, key, size=0, cost=0.0, tag=0):
         self.remove(key)
-        remembered = tag in self.ghost
-        if remembered:
-            self.ghost.remove(tag)
+        remembered = tag == self.arrived or any(t == tag for t, _ in self.ghost)
+        self.arrived = None
+        self.ghost = [(t, s) for t, s in self.ghost if t != tag]
+        full = sum(self.size[k] for k in self.small) >= self.small_cap
         self.freq[key], self.size[key], self.tag[key] = 0, size, tag
-        (self.main if remembered else self.small).append(key)
+        (self.main if remembered or (not self.evicted and full) else self.small).append(key)
 
     def access(self, key):
         if key in self.freq:
-            self.freq[key] = min(self.freq[key] + 1, 3)
+            self.freq[key] += 1
 
     def remove(self, key):
         for queue in (self.small, self.main):
@@ -257,28 +268,49 @@ class NaiveS3FIFO:
             table.pop(key, None)
 
     def evict(self, evictable):
+        self.evicted = True
+        small = next((k for k in self.small if evictable(k)), None)
+        main = next((k for k in self.main if evictable(k)), None)
+        if small is None and main is None:
+            return None
+        main_bytes = sum(self.size[k] for k in self.main)
+        if main is not None and (main_bytes > self.capacity - self.small_cap or small is None):
+            order = (self._evict_main, self._evict_small)
+        else:
+            order = (self._evict_small, self._evict_main)
+        for evict_from in order:
+            victim = evict_from(evictable)
+            if victim is not None:
+                return victim
+        return None
+
+    def _evict_small(self, evictable):
         while True:
-            small = next((k for k in self.small if evictable(k)), None)
-            main = next((k for k in self.main if evictable(k)), None)
-            if small is None and main is None:
+            key = next((k for k in self.small if evictable(k)), None)
+            if key is None:
                 return None
-            if small is not None and (sum(self.size[k] for k in self.small) > 0.1 * self.capacity or main is None):
-                if self.freq[small] > 1:  # used again while on probation: promote, uses spent
-                    self.small.remove(small)
-                    self.main.append(small)
-                    self.freq[small] = 0
-                    continue
-                tag = self.tag[small]
-                self.remove(small)
-                if tag in self.ghost:
-                    self.ghost.remove(tag)
-                self.ghost.append(tag)
-                del self.ghost[:max(0, len(self.ghost) - max(1, len(self.main)))]
-                return small
-            if self.freq[main] > 0:  # used since it was queued: once more round, one use less
-                self.main.remove(main)
-                self.main.append(main)
-                self.freq[main] -= 1
+            if self.freq[key] >= 2:  # used again while on probation: promoted, uses spent
+                self.small.remove(key)
+                self.main.append(key)
+                self.freq[key] = 0
                 continue
-            self.remove(main)
-            return main
+            tag, size = self.tag[key], self.size[key]
+            self.remove(key)
+            if size <= self.ghost_cap and all(t != tag for t, _ in self.ghost):
+                while self.ghost and sum(s for _, s in self.ghost) + size > self.ghost_cap:
+                    self.ghost.pop(0)
+                self.ghost.append((tag, size))
+            return key
+
+    def _evict_main(self, evictable):
+        while True:
+            key = next((k for k in self.main if evictable(k)), None)
+            if key is None:
+                return None
+            if self.freq[key] >= 1:  # used since it was queued: once more round, one use less
+                self.main.remove(key)
+                self.main.append(key)
+                self.freq[key] = min(self.freq[key], 3) - 1
+                continue
+            self.remove(key)
+            return key

@@ -28,6 +28,10 @@ class EvictionPolicy(Protocol):
     def empty(self, capacity: int) -> Any:
         """State for a cache of ``capacity`` bytes holding nothing."""
 
+    def arriving(self, state: Any, tag: int) -> Any:
+        """Content ``tag`` missed and is about to be kept (room is made next): a policy that remembers
+        evicted content (S3-FIFO's ghost) takes note before it evicts for it."""
+
     def inserted(self, state: Any, key: int, size: int, cost: float, tag: int) -> Any:
         """``key`` entered, holding ``size`` bytes that cost ``cost`` to recompute; ``tag`` names its content."""
 
@@ -39,6 +43,13 @@ class EvictionPolicy(Protocol):
 
     def evict(self, state: Any, evictable: Evictable) -> tuple[Any, int | None]:
         """``(state, victim)``: the key to evict among those ``evictable`` allows, forgotten; or None."""
+
+
+class RemembersNothing:
+    """For policies without memory of evicted content: an arriving miss changes nothing."""
+
+    def arriving(self, state: Any, tag: int) -> Any:
+        return state
 
 
 class UnknownPolicy(UsageError, KeyError):

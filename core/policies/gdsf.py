@@ -16,7 +16,7 @@ from typing import Optional
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable
+from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing
 
 # A heap node: (rank, item, left, right), item = (priority, stamp, key).
 Heap = Optional[tuple]
@@ -66,7 +66,7 @@ class GdsfState:
     clock: int
 
 
-class GDSF:
+class GDSF(RemembersNothing):
     """Evict the lowest ``L + uses * cost / size``."""
 
     name = "gdsf"

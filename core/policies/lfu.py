@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, StampQueue
+from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing, StampQueue
 
 
 @attrs.frozen(slots=True)
@@ -19,7 +19,7 @@ class LfuState:
     clock: int
 
 
-class LFU:
+class LFU(RemembersNothing):
     """Least frequently used first, ties by least recent use."""
 
     name = "lfu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, StampQueue, first_evictable
+from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing, StampQueue, first_evictable
 
 
 @attrs.frozen(slots=True)
@@ -17,7 +17,7 @@ class QueueState:
     clock: int
 
 
-class LRU:
+class LRU(RemembersNothing):
     """Least recently used first."""
 
     name = "lru"

@@ -1,10 +1,15 @@
-"""S3-FIFO: a small probationary FIFO, a main FIFO and a ghost list (Yang et al., SOSP'23).
+"""S3-FIFO (Yang et al., SOSP'23) as libCacheSim's ``S3FIFO.c`` defines it, in bytes.
 
-New keys enter the small queue (a tenth of the capacity in bytes) unless the
-ghost list remembers their content, then they enter main. Evicting from the
-small queue promotes keys used more than once to main and remembers the rest
-in the ghost list; evicting from main re-queues keys used since with one use
-less (Algorithm 1 of the paper, use counts capped at 3).
+A small probationary FIFO holds a tenth of the capacity, a main FIFO the rest,
+run as a 2-bit clock; a ghost FIFO remembers the content of keys evicted from
+the small queue, up to 0.9 x capacity bytes of them. New keys enter the small
+queue, or main when the ghost remembers their content (or while the small queue
+is full and nothing was evicted yet). Eviction takes from main when main is
+over its share or the small queue has nothing to give, else from the small
+queue: there a key used at least twice is promoted to main and the first one
+that is not goes (into the ghost); in main a used key is queued again with one
+use less (at most 2 kept) and the first unused one goes. Keys the caller may
+not evict (pinned) are passed over.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import immutables
 from kvstate.core.policies.base import EMPTY_MAP, Evictable, StampQueue
 
 SMALL_SHARE = 0.1
+GHOST_SHARE = 0.9
 MAX_FREQ = 3
+PROMOTE_AT = 2
 
 
 @attrs.frozen(slots=True)
@@ -33,6 +40,16 @@ class S3FifoState:
     ghost_tags: immutables.Map  # tag -> stamp of its ghost slot
     capacity: int
     clock: int
+    total_bytes: int = 0
+    ghost_sizes: immutables.Map = EMPTY_MAP  # tag -> bytes it stood for
+    ghost_bytes: int = 0
+    evicted: bool = False    # whether anything was evicted yet (insertion into main until then)
+    #: A tag the ghost remembered when it arrived (taken off the ghost before room was made for it).
+    arrived: int | None = None
+
+    @property
+    def small_capacity(self) -> int:
+        return int(SMALL_SHARE * self.capacity)
 
 
 class S3FIFO:
@@ -44,14 +61,32 @@ class S3FIFO:
         return S3FifoState(StampQueue(), StampQueue(), EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, 0, 0,
                            StampQueue(), EMPTY_MAP, capacity, 0)
 
+    def arriving(self, state: S3FifoState, tag: int) -> S3FifoState:
+        """A miss on ``tag``: the ghost gives it up now, before evictions (which may fill the ghost)."""
+        if tag not in state.ghost_tags:
+            return state if state.arrived is None else attrs.evolve(state, arrived=None)
+        return attrs.evolve(self._forget(state, tag), arrived=tag)
+
     def inserted(self, state: S3FifoState, key: int, size: int, cost: float, tag: int) -> S3FifoState:
         if key in state.stamps:
             state = self.removed(state, key)
-        to_main = tag in state.ghost_tags
-        ghost_tags = state.ghost_tags.delete(tag) if to_main else state.ghost_tags
-        state = attrs.evolve(state, ghost_tags=ghost_tags, sizes=state.sizes.set(key, size),
-                             tags=state.tags.set(key, tag), freq=state.freq.set(key, 0))
+        remembered = tag == state.arrived or tag in state.ghost_tags
+        to_main = remembered or (not state.evicted and state.small_bytes >= state.small_capacity)
+        if tag in state.ghost_tags:
+            state = self._forget(state, tag)
+        if state.arrived is not None:
+            state = attrs.evolve(state, arrived=None)
+        state = attrs.evolve(state, sizes=state.sizes.set(key, size), tags=state.tags.set(key, tag),
+                             freq=state.freq.set(key, 0), total_bytes=state.total_bytes + size)
         return self._queue(state, key, small=not to_main)
+
+    @staticmethod
+    def _forget(state: S3FifoState, tag: int) -> S3FifoState:
+        """``tag`` leaves the ghost."""
+        ghost_tags = state.ghost_tags.delete(tag)
+        return attrs.evolve(state, ghost_tags=ghost_tags, ghost=state.ghost.advanced(ghost_tags),
+                            ghost_sizes=state.ghost_sizes.delete(tag),
+                            ghost_bytes=state.ghost_bytes - state.ghost_sizes.get(tag, 0))
 
     def _queue(self, state: S3FifoState, key: int, small: bool) -> S3FifoState:
         clock = state.clock + 1
@@ -79,41 +114,68 @@ class S3FIFO:
         small = state.in_small[key]
         return attrs.evolve(
             state, stamps=stamps, in_small=state.in_small.delete(key), freq=state.freq.delete(key),
-            sizes=state.sizes.delete(key), tags=state.tags.delete(key),
+            sizes=state.sizes.delete(key), tags=state.tags.delete(key), total_bytes=state.total_bytes - state.sizes[key],
             small_bytes=state.small_bytes - (state.sizes[key] if small else 0),
             small_count=state.small_count - small,
             small=state.small.advanced(stamps) if small else state.small,
             main=state.main if small else state.main.advanced(stamps))
 
-    def _remember(self, state: S3FifoState, tag: int) -> S3FifoState:
-        """Put ``tag`` on the ghost list, keeping it no longer than main holds keys."""
+    def _remember(self, state: S3FifoState, tag: int, size: int) -> S3FifoState:
+        """Put ``tag`` (content of ``size`` bytes) on the ghost FIFO, oldest going first past its bytes."""
+        bound = int(GHOST_SHARE * state.capacity)
+        if tag in state.ghost_tags or size > bound:
+            return state
+        while state.ghost_tags and state.ghost_bytes + size > bound:
+            _, oldest, _ = next(state.ghost.live(state.ghost_tags))
+            state = self._forget(state, oldest)
         clock = state.clock + 1
         ghost_tags = state.ghost_tags.set(tag, clock)
-        ghost = state.ghost.push(tag, clock)
-        bound = max(1, len(state.stamps) - state.small_count)
-        while len(ghost_tags) > bound:
-            _, oldest, _ = next(ghost.live(ghost_tags))
-            ghost_tags = ghost_tags.delete(oldest)
-            ghost = ghost.advanced(ghost_tags)
-        return attrs.evolve(state, ghost=ghost.compacted(ghost_tags), ghost_tags=ghost_tags, clock=clock)
+        return attrs.evolve(state, ghost=state.ghost.push(tag, clock).compacted(ghost_tags), ghost_tags=ghost_tags,
+                            ghost_sizes=state.ghost_sizes.set(tag, size), ghost_bytes=state.ghost_bytes + size,
+                            clock=clock)
+
+    def _first(self, queue: StampQueue, state: S3FifoState, evictable: Evictable) -> int | None:
+        return next((k for _, k, _ in queue.live(state.stamps) if evictable(k)), None)
 
     def evict(self, state: S3FifoState, evictable: Evictable) -> tuple[S3FifoState, int | None]:
-        # Every round either evicts, promotes a small key to main, or spends one use of a main key:
-        # bounded by (small keys) + (MAX_FREQ + 1) * (all keys) rounds.
-        for _ in range(len(state.stamps) * (MAX_FREQ + 2) + 1):
-            small_key = next((k for _, k, _ in state.small.live(state.stamps) if evictable(k)), None)
-            main_key = next((k for _, k, _ in state.main.live(state.stamps) if evictable(k)), None)
-            if small_key is None and main_key is None:
+        state = state if state.evicted else attrs.evolve(state, evicted=True)
+        small_key, main_key = self._first(state.small, state, evictable), self._first(state.main, state, evictable)
+        if small_key is None and main_key is None:
+            return state, None
+        main_bytes = state.total_bytes - state.small_bytes
+        if main_key is not None and (main_bytes > state.capacity - state.small_capacity or small_key is None):
+            order = (self._evict_main, self._evict_small)
+        else:
+            order = (self._evict_small, self._evict_main)
+        for evict_from in order:
+            state, victim = evict_from(state, evictable)
+            if victim is not None:
+                return state, victim
+        return state, None
+
+    def _evict_small(self, state: S3FifoState, evictable: Evictable) -> tuple[S3FifoState, int | None]:
+        """Promote small keys used at least twice until one that was not goes (into the ghost)."""
+        for _ in range(len(state.stamps) + 1):
+            key = self._first(state.small, state, evictable)
+            if key is None:
                 return state, None
-            if small_key is not None and (state.small_bytes > SMALL_SHARE * state.capacity or main_key is None):
-                if state.freq[small_key] > 1:
-                    state = self._queue(attrs.evolve(state, freq=state.freq.set(small_key, 0)), small_key, small=False)
-                    continue
-                tag = state.tags[small_key]
-                return self._remember(self.removed(state, small_key), tag), small_key
-            count = state.freq[main_key]
-            if count > 0:
-                state = self._queue(attrs.evolve(state, freq=state.freq.set(main_key, count - 1)), main_key, small=False)
+            if state.freq[key] >= PROMOTE_AT:
+                state = self._queue(attrs.evolve(state, freq=state.freq.set(key, 0)), key, small=False)
                 continue
-            return self.removed(state, main_key), main_key
+            tag, size = state.tags[key], state.sizes[key]
+            return self._remember(self.removed(state, key), tag, size), key
+        return state, None
+
+    def _evict_main(self, state: S3FifoState, evictable: Evictable) -> tuple[S3FifoState, int | None]:
+        """Give used main keys another pass with one use less until an unused one goes."""
+        for _ in range(len(state.stamps) * (MAX_FREQ + 1) + 1):
+            key = self._first(state.main, state, evictable)
+            if key is None:
+                return state, None
+            count = state.freq[key]
+            if count > 0:
+                state = self._queue(attrs.evolve(state, freq=state.freq.set(key, min(count, MAX_FREQ) - 1)), key,
+                                    small=False)
+                continue
+            return self.removed(state, key), key
         return state, None

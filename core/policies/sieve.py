@@ -14,7 +14,7 @@ import attrs
 import immutables
 from pyrsistent import pvector
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, StampQueue
+from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing, StampQueue
 
 
 @attrs.frozen(slots=True)
@@ -27,7 +27,7 @@ class SieveState:
     clock: int
 
 
-class SIEVE:
+class SIEVE(RemembersNothing):
     """Lazy promotion, quick demotion."""
 
     name = "sieve"

@@ -182,7 +182,7 @@ class S3FIFOBlocks:
 
     def insert(self, block: int):
         if self._small_size < 1:
-            return None  # libCacheSim keeps nothing a small queue of no size cannot take
+            return None  # a block larger than the small queue is not taken (libCacheSim's can_insert)
         ghost_hit = block in self._ghost
         if ghost_hit:
             del self._ghost[block]
@@ -191,8 +191,9 @@ class S3FIFOBlocks:
             victim = self._evict()
         if ghost_hit or (not self._evicted and len(self._small) >= self._small_size):
             self._main[block] = 0
-        else:
+        elif self._small_size > 1:
             self._small[block] = 0
+        # else: libCacheSim never lets one block fill the whole small queue; it is not kept (room was made)
         return victim
 
 
