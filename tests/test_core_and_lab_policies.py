@@ -42,3 +42,10 @@ def lab_run(name: str, capacity: int, sequence: list[int]) -> list[tuple[bool, i
 @given(sequence=accesses, capacity=st.integers(20, 50), name=st.sampled_from(sorted(POLICIES)))
 def test_every_core_policy_decides_as_its_lab_twin(name, capacity, sequence):
     assert core_run(name, capacity, sequence) == lab_run(name, capacity, sequence)
+
+
+def test_the_labs_prefix_policies_are_the_cores_registry_and_each_has_a_block_twin():
+    from kvstate.interpreters.lab.runs import PREFIX_POLICIES
+
+    assert PREFIX_POLICIES == tuple(POLICIES)
+    assert set(POLICIES) <= set(BLOCK_POLICIES)

@@ -20,6 +20,7 @@ import time
 
 import attrs
 
+from kvstate.core.policies import POLICIES
 from kvstate.interpreters.lab.blocks import BLOCK_POLICIES, LRUBlocks, BeladyBlocks, next_uses
 from kvstate.interpreters.lab.traces import Trace
 from kvstate.interpreters.replay import BLOCK_TOKENS
@@ -27,7 +28,8 @@ from kvstate.interpreters.simulator import CostModel
 from kvstate.models.spec import ModelSpec
 
 #: Policies the service itself can run (prefix granularity); the others need the whole trace or are lab-only.
-PREFIX_POLICIES = ("lru", "fifo", "lfu", "s3fifo", "sieve", "gdsf")
+#: The service's own policies: whatever the core registers (a new policy is one file and one line there).
+PREFIX_POLICIES = tuple(POLICIES)
 SENTINEL = 1 << 60
 
 
