@@ -55,3 +55,29 @@ def lab_misses(policy: str, capacity: int, blocks: list[int]) -> int:
 def test_the_lab_misses_exactly_what_libcachesim_misses(policy, trace, capacity, accesses):
     blocks = accesses[trace]
     assert lab_misses(policy, capacity, blocks) == reference_misses(policy, capacity, blocks)
+
+
+@pytest.mark.parametrize("capacity", [1000, 10_000, 50_000])
+@pytest.mark.parametrize("trace", TRACES)
+def test_the_labs_belady_never_misses_more_than_libcachesims(trace, capacity, accesses):
+    """Belady's MIN with bypass: the lab never keeps a block whose next use is farther than every
+    cached block's. libCacheSim's ``Belady.c`` always inserts the missed block (``Belady_get`` ->
+    ``cache_get_base`` evicts the farthest cached block, then ``Belady_insert`` keeps the new one), so
+    where a bypass pays it misses more; the lab is the lower bound, equal where no bypass helps."""
+    from kvstate.interpreters.lab.blocks import BeladyBlocks, next_uses
+
+    blocks = accesses[trace]
+    upcoming = next_uses(blocks)
+    cache, request, reference = libcachesim.Belady(cache_size=capacity), libcachesim.Request(), 0
+    for block, later in zip(blocks, upcoming):
+        request.obj_id, request.obj_size = block, 1
+        request.next_access_vtime = 2**63 - 1 if later == float("inf") else int(later)
+        reference += not cache.get(request)
+    lab = BeladyBlocks(capacity, upcoming)
+    misses = 0
+    for position, block in enumerate(blocks):
+        lab.at(position)
+        if not lab.lookup(block):
+            misses += 1
+            lab.insert(block)
+    assert misses <= reference
