@@ -41,6 +41,8 @@ from kvstate.effects.effects import CheckpointMeta, DiskKey
 from kvstate.interpreters.mlx_caches import codec_named, codec_of
 
 FORMAT_VERSION = "1"
+#: Rejected files kept for inspection in ``rejected/``, newest first; older ones are deleted.
+REJECTED_KEEP = 16
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 64 << 20
 _SAFETENSORS_DTYPE = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
@@ -263,8 +265,10 @@ class DiskStore:
     """Saved prefixes and checkpoints of one model identity under ``root``."""
 
     def __init__(self, root: str | os.PathLike, identity: StoreIdentity, *, verify: bool = True,
-                 budget: Any = None, write_file: Callable[[Path, list], None] | None = None):
+                 budget: Any = None, write_file: Callable[[Path, list], None] | None = None,
+                 rejected_keep: int = REJECTED_KEEP):
         self.write_file = write_file or write_durably  # the storage seam: tests put a full disk here
+        self.rejected_keep = rejected_keep
         self.root = Path(root)
         self.identity = identity
         self.verify = verify
@@ -555,6 +559,30 @@ class DiskStore:
         except OSError:
             pass  # not movable: left in place, never restored all the same
         self.rejected.append((path.name, reason))
+        self.prune_rejected()
+
+    def prune_rejected(self) -> int:
+        """Keep the newest ``rejected_keep`` files of ``rejected/`` and delete the rest (they are
+        outside every budget); the number deleted. Never an error: what cannot go stays."""
+        try:
+            with os.scandir(self.rejected_directory) as entries:
+                found = []
+                for entry in entries:
+                    try:
+                        found.append((entry.stat().st_mtime, entry.path))
+                    except OSError:
+                        continue
+        except OSError:
+            return 0
+        found.sort(reverse=True)
+        pruned = 0
+        for _, old in found[self.rejected_keep:]:
+            try:
+                os.unlink(old)
+                pruned += 1
+            except OSError:
+                continue
+        return pruned
 
     # ------------------------------------------------------------ scan
 
@@ -567,6 +595,7 @@ class DiskStore:
         named in them is still running (its write may be in flight).
         """
         records, checkpoints, rejected = [], [], 0
+        self.prune_rejected()
         for path in sorted(self.directory.iterdir()):
             if not path.is_file():
                 continue

@@ -196,3 +196,18 @@ def test_listing_saved_prefixes_changes_nothing(tmp_path):
     before = sorted(p.name for p in store.directory.iterdir())
     assert len(store.saved_prefixes()) == 2
     assert sorted(p.name for p in store.directory.iterdir()) == before and store.rejected == []
+
+
+def test_rejected_files_are_bounded_newest_kept(tmp_path):
+    """``rejected/`` is outside every budget: it keeps the newest few files for inspection, no more."""
+    import time
+
+    store = DiskStore(tmp_path, StoreIdentity("m", "t", "cfg-m"), rejected_keep=3)
+    for n in range(6):
+        bad = store.directory / f"prefix-bad{n}.safetensors"
+        bad.write_bytes(b"garbage")
+        os.utime(bad, (time.time() + n, time.time() + n))
+        store.move_aside(bad, FailureReason.CORRUPT)
+    kept = sorted(p.name for p in store.rejected_directory.iterdir())
+    assert kept == [f"prefix-bad{n}.safetensors.corrupt" for n in (3, 4, 5)]
+    assert len(store.rejected) == 6  # all six were rejected and counted
