@@ -1,0 +1,58 @@
+"""KvStatePromptCache: the interface mlx_lm.server uses of its prompt cache, on a real model."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvstate.interpreters.mlx_interpreter import mlx_service
+from kvstate.interpreters.prompt_cache import KvStatePromptCache
+from kvstate.models.reference import build
+
+MODEL_KEY = ("tiny", None, None)
+
+
+def adapter(tmp_path=None, ram_bytes=64 << 20):
+    model, config = build("llama", seed=81)
+    cache: list = []
+    options = {} if tmp_path is None else {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20}
+    service = mlx_service(model, config=config, ram_bytes=ram_bytes,
+                          pressure=lambda held: bool(cache) and cache[0].over_limit(held), **options)
+    cache.append(KvStatePromptCache(service, MODEL_KEY))
+    return model, cache[0]
+
+
+def computed(model, tokens):
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(tokens)]), cache=caches))
+    return caches
+
+
+def test_fetch_insert_and_the_counts_the_server_logs():
+    model, cache = adapter()
+    prompt = list(range(1, 41))
+    assert cache.fetch_nearest_cache(MODEL_KEY, prompt) == (None, prompt)
+    cache.insert_cache(MODEL_KEY, prompt[:20], computed(model, prompt[:20]), cache_type="system")
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="assistant")
+    assert len(cache) == 1  # the longer trimmable entry serves the system prefix: kept once
+    stats = cache.stats_by_type()
+    assert stats["assistant"]["n_sequences"] == 1 and stats["system"]["n_sequences"] == 0
+    assert cache.nbytes == stats["assistant"]["n_bytes"] > 0
+    caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt[:30] + [200, 201])
+    assert rest == [200, 201] and caches[0].offset == 30
+    assert cache.fetch_nearest_cache(("other", None, None), prompt) == (None, prompt)
+    assert cache.service.report().live_requests == 0
+
+
+def test_trim_to_gives_ram_back_to_what_the_batch_leaves(tmp_path):
+    model, cache = adapter(tmp_path)
+    for n in range(4):
+        tokens = [n * 50 + i + 1 for i in range(30)]
+        cache.insert_cache(MODEL_KEY, tokens, computed(model, tokens))
+    held = cache.nbytes
+    cache.trim_to(n_bytes=held // 2)
+    assert 0 < cache.nbytes <= held // 2
+    cache.trim_to(n_sequences=1)
+    assert len(cache) == 1
+    assert cache.service.flush().durable
+    assert cache.service.report().saved_entries == 4  # what was given back was spilled first
