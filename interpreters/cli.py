@@ -171,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="Mooncake or kvstate JSONL trace (default: the bundled conversation trace)")
     simulate.add_argument("--policy", help="comma-separated: lru, fifo, lfu, s3fifo, sieve, gdsf, arc, belady "
                                            "(default: every one the granularity has)")
-    simulate.add_argument("--capacity", default="0.01,0.03,0.1,0.3,1.0",
-                          help="comma-separated: counts in --unit (1000, 3M, 512K), sizes (20GB, 8GiB) or "
-                               "fractions of the trace's working set (0.1); default 0.01,0.03,0.1,0.3,1.0")
+    simulate.add_argument("--capacity", default="1%,3%,10%,30%,100%",
+                          help="comma-separated: counts in --unit (1000, 1e6, 3M, 512K), sizes (20GB, 8GiB) or "
+                               "fractions of the trace's working set (10%% or 0.1x); default 1%%,3%%,10%%,30%%,100%%")
     simulate.add_argument("--unit", choices=["blocks", "tokens", "bytes"], default="blocks",
                           help="what plain capacity numbers count (default blocks of 512 tokens)")
     simulate.add_argument("--granularity", choices=["block", "prefix"], default="block")

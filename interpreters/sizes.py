@@ -1,4 +1,4 @@
-"""Quantities written as text: ``384GiB``, ``2T``, ``500MB``, ``3M``, ``0.1``, one parser for all.
+"""Quantities written as text: ``384GiB``, ``2T``, ``500MB``, ``3M``, ``1e6``, ``10%``, one parser for all.
 
 A quantity is a number and a suffix. Byte suffixes are the same everywhere (``KB`` is 10**3,
 ``KiB`` is 2**10); what a bare single letter means is the caller's: a size on the command line
@@ -16,7 +16,7 @@ BINARY_LETTERS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 #: A bare letter on a count.
 COUNT_LETTERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
-_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*")
 
 
 class BadQuantity(ValueError):

@@ -162,7 +162,12 @@ def test_capacities_in_every_form():
     assert parse_capacity("1000", "blocks", trace, MODEL).blocks == 1000
     assert parse_capacity("3M", "tokens", trace, MODEL).blocks == 3_000_000 // 512
     assert parse_capacity("20GB", "blocks", trace, MODEL).blocks == 20 * 10**9 // per_block
-    assert parse_capacity("0.1", "blocks", trace, MODEL).blocks == int(0.1 * trace.unique_blocks)
+    assert parse_capacity("10%", "blocks", trace, MODEL).blocks == int(0.1 * trace.unique_blocks)
+    assert parse_capacity("0.1x", "blocks", trace, MODEL).blocks == int(0.1 * trace.unique_blocks)
+    assert parse_capacity("1e3", "blocks", trace, MODEL).blocks == 1000
+    assert parse_capacity("1", "blocks", trace, MODEL).blocks == 1  # one block, never the whole working set
+    with pytest.raises(BadCapacity, match="10%"):
+        parse_capacity("0.1", "blocks", trace, MODEL)  # ambiguous: a fraction is written 10% or 0.1x
     assert parse_capacity("512K", "bytes", trace, MODEL).nbytes == 512_000
     with pytest.raises(BadCapacity):
         parse_capacity("lots", "blocks", trace, MODEL)
@@ -181,12 +186,12 @@ def test_prefix_granularity_runs_the_service_and_only_its_policies():
 def test_simulate_command_writes_rows_and_a_plot(tmp_path):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
     done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--synthetic", "chat",
-                           "--requests", "300", "--policy", "lru,belady", "--capacity", "50,0.5",
+                           "--requests", "300", "--policy", "lru,belady", "--capacity", "50,50%",
                            "--json", str(out), "--plot", str(png)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())
-    assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", "50"), ("lru", "0.5"), ("belady", "50"),
-                                                           ("belady", "0.5")]
+    assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", "50"), ("lru", "50%"), ("belady", "50"),
+                                                           ("belady", "50%")]
     required = {"policy", "capacity", "unit", "granularity", "requests", "request_hit_rate", "token_hit_ratio",
                 "block_hit_ratio", "disk_bytes_written", "disk_bytes_read", "prefill_seconds_saved"}
     assert all(required <= set(r) for r in rows)

@@ -37,22 +37,26 @@ class Capacity:
 
 
 def parse_capacity(text: str, unit: str, trace: Trace, model: ModelSpec) -> Capacity:
-    """``1000`` (in ``unit``), ``3M`` / ``512K`` (counts), ``20GB`` / ``8GiB`` (bytes), ``0.1`` (a fraction
-    of the trace's working set: its unique blocks)."""
+    """``1000`` or ``1e3`` (in ``unit``), ``3M`` / ``512K`` (counts), ``20GB`` / ``8GiB`` (bytes), ``10%`` or
+    ``0.1x`` (a fraction of the trace's working set: its unique blocks)."""
     per_block = block_bytes(model)
     try:
         digits, number, suffix = split_quantity(text)
     except BadQuantity:
-        raise BadCapacity(f"not a capacity: {text!r} (try 1000, 3M, 20GB or 0.1)") from None
+        raise BadCapacity(f"not a capacity: {text!r} (try 1000, 3M, 20GB or 10%)") from None
+    if suffix in ("%", "x"):
+        fraction = number / 100 if suffix == "%" else number
+        blocks = int(fraction * trace.unique_blocks)
+        return Capacity(text, fraction, "working set", blocks, blocks * per_block)
     if suffix in BYTE_UNITS:
         nbytes = int(number * BYTE_UNITS[suffix])
         return Capacity(text, number, "bytes", nbytes // per_block if per_block else 0, nbytes)
     if suffix not in COUNT_LETTERS:
         raise BadCapacity(f"unknown suffix in {text!r}: counts take K, M, G, T; sizes KB, MB, GB, GiB, ...")
-    if "." in digits and number <= 1 and not suffix:
-        blocks = int(number * trace.unique_blocks)
-        return Capacity(text, number, "working set", blocks, blocks * per_block)
     count = number * COUNT_LETTERS[suffix]
+    if count != int(count):
+        raise BadCapacity(f"{text!r} is not a whole number of {unit}; a fraction of the working set is "
+                          f"written {number * 100:g}% or {number:g}x")
     if unit == "blocks":
         blocks = int(count)
     elif unit == "tokens":
