@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 import attrs
+from tqdm import tqdm
 
 from kvstate.interpreters.lab.runs import (
     Outcome, block_bytes, run_blocks, run_prefixes,
@@ -97,14 +98,6 @@ def _job(args: tuple) -> tuple[int, Outcome]:
     return index, run_prefixes(_TRACE, policy, capacity.nbytes, disk, model)
 
 
-def _progress(done: int, total: int) -> None:
-    width = 30
-    filled = width * done // total
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs", end="", file=sys.stderr, flush=True)
-    if done == total:
-        print(file=sys.stderr)
-
-
 def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity], granularity: str,
           model: ModelSpec, disk_bytes: int | None = None, cost: CostModel | None = None,
           processes: int | None = None, progress: bool = True) -> list[Row]:
@@ -116,18 +109,19 @@ def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity],
     _TRACE = trace
     outcomes: dict[int, Outcome] = {}
     workers = min(len(jobs), processes or os.cpu_count() or 1)
-    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            for index, outcome in pool.imap_unordered(_job, jobs):
+    # tqdm shows the rate and the time left; off, it draws nothing
+    bar = tqdm(total=len(jobs), unit="run", desc="  sweep", file=sys.stderr, disable=not progress)
+    with bar:
+        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                for index, outcome in pool.imap_unordered(_job, jobs):
+                    outcomes[index] = outcome
+                    bar.update()
+        else:
+            for job in jobs:
+                index, outcome = _job(job)
                 outcomes[index] = outcome
-                if progress:
-                    _progress(len(outcomes), len(jobs))
-    else:
-        for job in jobs:
-            index, outcome = _job(job)
-            outcomes[index] = outcome
-            if progress:
-                _progress(len(outcomes), len(jobs))
+                bar.update()
     rows = []
     for index, _, policy, capacity, _, _ in jobs:
         o = outcomes[index]
@@ -170,20 +164,25 @@ def plot(rows: Sequence[Row], ceiling: Outcome, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    markers, dashes = "osD^v<>Px*", ["-", "--", "-.", ":"]
     for axis, field, maximum, label in ((axes[0], "token_hit_ratio", ceiling.token_hit_ratio, "token hit ratio"),
                                         (axes[1], "block_hit_ratio", ceiling.block_hit_ratio, "block hit ratio")):
-        for policy in dict.fromkeys(r.policy for r in rows):
+        for n, policy in enumerate(dict.fromkeys(r.policy for r in rows)):
             points = sorted((r.capacity_blocks * BLOCK_TOKENS, getattr(r, field)) for r in rows if r.policy == policy)
-            axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=policy)
+            # each policy its own marker, dash and size, so lines that coincide stay visible
+            axis.plot([x for x, _ in points], [y for _, y in points], marker=markers[n % len(markers)],
+                      linestyle=dashes[n % len(dashes)], markersize=9 - (n % 4) * 1.5, fillstyle="none",
+                      label=policy)
         axis.axhline(maximum, linestyle="--", color="black", label=f"unbounded {maximum:.4f}")
         axis.set_xscale("log")
         axis.set_xlabel("capacity (tokens)")
         axis.set_ylabel(label)
         axis.set_ylim(0, 1)
         axis.grid(True, alpha=0.3)
-    axes[1].legend(fontsize=8)
+    handles, labels = axes[1].get_legend_handles_labels()
     figure.suptitle(title)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 0.86, 1))
+    figure.legend(handles, labels, loc="center right", fontsize=8)  # beside the axes: never over the data
     figure.savefig(path, dpi=110)
     plt.close(figure)
