@@ -189,6 +189,9 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server):
 
 
 def test_a_client_that_disconnects_mid_stream_releases_its_request(server):
+    """A client gone mid-stream: nothing stays live, and the server serves the next request. (The
+    prompt cache holds no lease across a request, so the first part holds by construction; the second
+    is what a disconnect can break.)"""
     stream = chat(server, [SYSTEM, {"role": "user", "content": "Tell me a long story."}], max_tokens=200,
                   stream=True)
     for _ in zip(range(3), stream):
