@@ -8,8 +8,8 @@ GDSF differs by the reference's order of work, not by its priorities: ``GDSF_get
 ``cpp/GDSF.cpp`` inserts the missed object first and then evicts the lowest priority while over
 capacity, so the object just inserted is itself evicted when every other one ranks higher (a
 bypass). kvstate makes room first and never evicts what it is keeping, in the core and in the lab
-alike (they are held to each other), so on the conversation trace at 10,000 blocks it misses 3 of
-225,873 more rarely. Priorities (``L + uses``, ties oldest first) are the same.
+alike (they are held to each other): on the conversation trace at 10,000 blocks it misses 225,870
+times where the reference misses 225,873. Priorities (``L + uses``, ties oldest first) are the same.
 
 S3-FIFO is libCacheSim's ``S3FIFO.c``, the one the 0.3.5 wheel builds from the sources it ships (read
 from its sdist: the same insertion, eviction and ghost rules as the repository's file). Its miss
