@@ -29,6 +29,7 @@ from kvstate.effects import effects as fx
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, WriteFailed
 from kvstate.interpreters.service import KvCacheService
+from kvstate.interpreters.weights_identity import weights_fingerprint
 from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
 from kvstate.models.spec import ModelSpec
 from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
@@ -280,7 +281,8 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
                 disk_bytes: int | None = None, name: str = "model", config: dict | None = None, tokenizer: Any = None,
                 spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
                 policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
-                pressure: Callable[[int], bool] | None = None, **options: Any) -> KvCacheService:
+                pressure: Callable[[int], bool] | None = None, weights_dir: str | None = None,
+                **options: Any) -> KvCacheService:
     """A service on the MLX interpreter for a loaded mlx-lm ``model``.
 
     The geometry is read off the model (or given as ``spec``); the identity
@@ -291,9 +293,13 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
     :class:`~kvstate.interpreters.disk_budget.RootBudget` over ``disk_dir``)
     shares one byte budget among every store under that root: idle
     directories are evicted to fit when this service starts and closes.
+    ``weights_dir``, the directory the model was loaded from (no adapter on
+    top), gives the identity from its weight files, hashed once and
+    remembered (:mod:`~kvstate.interpreters.weights_identity`), instead of
+    hashing every loaded weight at every start.
     """
     spec = spec or spec_from_model(model, name)
-    fingerprint = model_fingerprint(model, config)
+    fingerprint = weights_fingerprint(weights_dir) if weights_dir is not None else model_fingerprint(model, config)
     config_fingerprint = hashlib.blake2b(f"{fingerprint}:{spec!r}".encode(), digest_size=12).hexdigest()
     identity = StoreIdentity(fingerprint, tokenizer_hash(tokenizer), config_fingerprint)
     store = None

@@ -233,10 +233,13 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
 
     def pressure(held_bytes: int) -> bool:
         return cache is not None and cache.over_limit(held_bytes)
+    # Identity from the weight files, hashed once (an adapter on top changes the weights: hash those then).
+    plain = model_provider.cli_args.adapter_path is None and any(Path(model_provider.cli_args.model).glob(
+        "*.safetensors"))
     service = mlx_service(model, ram_bytes=options.ram_bytes, disk_dir=options.disk_dir,
                           disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
                           config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
-                          pressure=pressure)
+                          pressure=pressure, weights_dir=model_provider.cli_args.model if plain else None)
     cache = KvStatePromptCache(service, model_provider.model_key)
     return cache
 

@@ -8,6 +8,7 @@ tokenizer trained in the fixture; nothing is downloaded.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -42,8 +43,9 @@ class Server:
         command = ([sys.executable, "-m", "mlx_lm", "server"] if stock
                    else [sys.executable, "-m", "kvstate.interpreters.cli", "serve"])
         self.log = log or model_dir.parent / f"server-{self.port}.log"
+        environment = {**os.environ, "KVSTATE_CACHE_DIR": str(model_dir.parent / "kvstate-cache")}
         self.process = subprocess.Popen([*command, "--model", str(model_dir), "--port", str(self.port), *extra],
-                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=environment)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -269,3 +271,32 @@ def test_a_request_that_can_never_run_gets_a_400_that_says_why(tmp_path):
             metrics["kvstate_misses_total"] == 1  # the refused ones never reached the cache
     finally:
         server.stop()
+
+
+def test_a_restart_on_changed_weights_restores_nothing_of_the_old_model(tmp_path):
+    """The identity comes from the weight files, hashed once: a fine-tune (one bit of one tensor,
+    same size, same modification time) is another model, and its server reuses nothing saved before."""
+    directory = save_model_dir(tmp_path / "tuned", "llama", seed=6)
+    options = ("--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
+    conversation = [SYSTEM, {"role": "user", "content": "A cache keeps the state of a computation."}]
+    first = Server(directory, *options)
+    try:
+        reply = chat(first, conversation)
+    finally:
+        first.stop()
+    weights = next(directory.glob("*.safetensors"))
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = Server(directory, *options)
+    try:
+        follow = conversation + [{"role": "assistant", "content": reply.choices[0].message.content},
+                                 {"role": "user", "content": "Why?"}]
+        assert chat(second, follow).usage.prompt_tokens_details.cached_tokens == 0
+        assert second.metrics()["kvstate_restores_total"] == 0
+        identities = [d for d in (tmp_path / "disk").iterdir() if d.is_dir()]
+        assert len(identities) == 2  # the old model's state stays under its own identity, never read
+    finally:
+        second.stop()
