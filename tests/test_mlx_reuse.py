@@ -92,6 +92,23 @@ def test_disk_hit_in_a_fresh_service(reference, tmp_path):
     assert_same(logits, recomputed(model, prompt))
 
 
+def test_part_of_a_saved_prefix_restored_from_disk_continues_as_recompute(reference, tmp_path):
+    """A trimmed restore: a fresh service reads a 24-token file and hands back only its first 14
+    tokens where the caches allow it; the next logits equal a full recompute's."""
+    name, model, config = reference
+    first = service_for(model, config, tmp_path)
+    run(first, model, tuple(range(5, 29)))
+    assert first.close().durable
+    second = service_for(model, config, tmp_path)
+    prompt = tuple(range(5, 19)) + (99, 98)  # shares 14 tokens with the saved 24
+    state, logits = run(second, model, prompt, publish=False)
+    if name in TRIMMABLE:
+        assert (state.source, state.reused_tokens) == (Source.DISK, 14)
+    else:
+        assert state.reused_tokens == 0  # recurrent state serves only its exact position
+    assert_same(logits, recomputed(model, prompt))
+
+
 def test_a_wrapped_sliding_window_serves_only_its_exact_position(tmp_path):
     model, config = build("gemma3_text", seed=2)
     window = config["sliding_window"]
