@@ -26,8 +26,9 @@ LONG = os.environ.get("KVSTATE_CHECK_PROFILE", "ci") == "long"
 IDENTITY = StoreIdentity("model-r", "tok-r", "cfg-r")
 
 
-def small_file(tmp_path):
-    store = DiskStore(tmp_path, IDENTITY)
+def small_file(tmp_path, identity=IDENTITY):
+    """A saved 5-token prefix of one small KV layer: its store, key and path."""
+    store = DiskStore(tmp_path, identity)
     cache = KVCache()
     keys = mx.arange(1 * 1 * 5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
     cache.update_and_fetch(keys, keys + 1)

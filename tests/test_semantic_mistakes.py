@@ -8,14 +8,14 @@ import unicodedata
 import attrs
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
 
 from kvstate import Continuation, KvCacheService, Request, Source, model_spec
-from kvstate.effects import DiskKey, FailureReason
-from kvstate.interpreters import disk_store, mlx_caches
+from kvstate.effects import FailureReason
+from kvstate.interpreters import disk_store
 from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from kvstate.models.reference import build
+from tests.test_reliability import small_file
 
 SPEC = model_spec("llama-3.2-1b")
 
@@ -71,13 +71,7 @@ def test_on_mlx_a_resume_uses_the_last_durable_checkpoint_after_a_later_write_fa
 
 
 def saved_file(tmp_path, identity):
-    store = DiskStore(tmp_path, identity)
-    cache = KVCache()
-    keys = mx.arange(1 * 1 * 5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
-    cache.update_and_fetch(keys, keys + 1)
-    key = DiskKey("n", (1, 2, 3, 4, 5))
-    store.commit(store.encode_prefix(key, [cache], True, mlx_caches.live_bytes([cache])))
-    return key
+    return small_file(tmp_path, identity)[1]
 
 
 BASE = StoreIdentity("model-a", "tok-a", "cfg-a")
