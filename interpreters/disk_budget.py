@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from stat import S_ISREG
 from pathlib import Path
 
 from kvstate.interpreters.disk_store import SUFFIX, private_directory
@@ -44,7 +45,7 @@ def _saved_files(directory: Path) -> list[tuple[float, int, Path]]:
             stat = entry.stat(follow_symlinks=False)
         except OSError:  # deleted by a live store since the listing
             continue
-        if not entry.is_symlink() and (stat.st_mode & 0o170000) == 0o100000:
+        if S_ISREG(stat.st_mode):  # a plain file, not a link (not followed) or a directory
             found.append((stat.st_mtime, stat.st_size, Path(entry.path)))
     return found
 

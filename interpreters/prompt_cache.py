@@ -97,7 +97,7 @@ class KvStatePromptCache:
         sequences, nbytes = self._limit
         if nbytes is not None and held_bytes > nbytes:
             return True
-        return sequences is not None and self.service.state.ram.index.__len__() > sequences
+        return sequences is not None and len(self) > sequences
 
     def __len__(self) -> int:
         return len(self.service.state.ram.index)

@@ -234,10 +234,10 @@ class KvCacheService:
             facts = self._interpreter.stage(handle, caches)
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered
-                file_bytes = 0
-                held = self._state.leases.get(lease)
-                if self._state.config.checkpoints and held is not None and held.acquired \
-                        and held.request.continuation is not None and isinstance(generated_tokens, int):
+                # The file is measured for a lease the core gave a checkpoint key; for any other the core
+                # refuses the checkpoint itself, with its own error.
+                held, file_bytes = self._state.leases.get(lease), 0
+                if held is not None and held.checkpoint_key is not None and isinstance(generated_tokens, int):
                     meta = checkpoint_meta(held, generated_tokens, pending_token)
                     file_bytes = self._interpreter.checkpoint_file_bytes(handle, meta, tokens)
                 return self._run(ev.Checkpoint(lease, handle, tokens, covered, generated_tokens,

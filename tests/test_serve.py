@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai", reason="the serving tests talk through th
 
 from kvstate.interpreters import serve as serving  # noqa: E402
 from kvstate.models.model_dir import save_model_dir  # noqa: E402
+from tests.test_weights_identity import fine_tune  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and clearly."}
 
@@ -206,25 +207,31 @@ def test_a_client_that_disconnects_mid_stream_releases_its_request(server):
     assert chat(server, [SYSTEM, {"role": "user", "content": "Hello again"}]).choices[0].message.content
 
 
-def test_a_restarted_server_serves_earlier_conversations_from_disk(model_dir, tmp_path):
-    options = ("--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
+def turn_restart_turn(directory, disk, between=lambda: None):
+    """One turn, a stop, ``between()``, a restart, and the conversation's next turn: the first server,
+    its exit status, both replies and the second server's metrics."""
+    options = ("--disk-dir", str(disk), "--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
     conversation = [SYSTEM, {"role": "user", "content": "A cache keeps the state of a computation."}]
-    first = Server(model_dir, *options)
+    first = Server(directory, *options)
     try:
         reply = chat(first, conversation)
     finally:
-        assert first.stop() == 0
-    assert "durable\": true" in first.log.read_text()
-    second = Server(model_dir, *options)
+        status = first.stop()
+    between()
+    second = Server(directory, *options)
     try:
         follow = conversation + [{"role": "assistant", "content": reply.choices[0].message.content},
                                  {"role": "user", "content": "Why?"}]
-        again = chat(second, follow)
-        assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens - 1
-        metrics = second.metrics()
-        assert metrics["kvstate_restores_total"] >= 1 and metrics["kvstate_rejected_files_total"] == 0
+        return first, status, reply, chat(second, follow), second.metrics()
     finally:
         second.stop()
+
+
+def test_a_restarted_server_serves_earlier_conversations_from_disk(model_dir, tmp_path):
+    first, status, reply, again, metrics = turn_restart_turn(model_dir, tmp_path / "disk")
+    assert status == 0 and "durable\": true" in first.log.read_text()
+    assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens - 1
+    assert metrics["kvstate_restores_total"] >= 1 and metrics["kvstate_rejected_files_total"] == 0
 
 
 @pytest.mark.parametrize("seed", [7, None], ids=["seeded-sequential", "batched"])
@@ -277,26 +284,7 @@ def test_a_restart_on_changed_weights_restores_nothing_of_the_old_model(tmp_path
     """The identity comes from the weight files, hashed once: a fine-tune (one bit of one tensor,
     same size, same modification time) is another model, and its server reuses nothing saved before."""
     directory = save_model_dir(tmp_path / "tuned", "llama", seed=6)
-    options = ("--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
-    conversation = [SYSTEM, {"role": "user", "content": "A cache keeps the state of a computation."}]
-    first = Server(directory, *options)
-    try:
-        reply = chat(first, conversation)
-    finally:
-        first.stop()
-    weights = next(directory.glob("*.safetensors"))
-    stat = weights.stat()
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 1
-    weights.write_bytes(bytes(data))
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    second = Server(directory, *options)
-    try:
-        follow = conversation + [{"role": "assistant", "content": reply.choices[0].message.content},
-                                 {"role": "user", "content": "Why?"}]
-        assert chat(second, follow).usage.prompt_tokens_details.cached_tokens == 0
-        assert second.metrics()["kvstate_restores_total"] == 0
-        identities = [d for d in (tmp_path / "disk").iterdir() if d.is_dir()]
-        assert len(identities) == 2  # the old model's state stays under its own identity, never read
-    finally:
-        second.stop()
+    _, _, _, again, metrics = turn_restart_turn(directory, tmp_path / "disk", between=lambda: fine_tune(directory))
+    assert again.usage.prompt_tokens_details.cached_tokens == 0 and metrics["kvstate_restores_total"] == 0
+    identities = [d for d in (tmp_path / "disk").iterdir() if d.is_dir()]
+    assert len(identities) == 2  # the old model's state stays under its own identity, never read

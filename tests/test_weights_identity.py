@@ -23,15 +23,20 @@ def test_a_known_file_is_not_read_again(model_dir, tmp_path, monkeypatch):
     assert weights_fingerprint(model_dir, cache) == first
 
 
-def test_any_change_to_a_weight_changes_the_identity_even_with_its_old_mtime(model_dir, tmp_path):
-    cache = tmp_path / "weights.json"
-    first = weights_fingerprint(model_dir, cache)
+def fine_tune(model_dir):
+    """Flip one bit of one tensor in place, keeping the file's size and modification time."""
     weights = next(model_dir.glob("*.safetensors"))
     stat = weights.stat()
     data = bytearray(weights.read_bytes())
-    data[-1] ^= 1                                       # one bit of one tensor: a fine-tune
+    data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same modification time
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_any_change_to_a_weight_changes_the_identity_even_with_its_old_mtime(model_dir, tmp_path):
+    cache = tmp_path / "weights.json"
+    first = weights_fingerprint(model_dir, cache)
+    fine_tune(model_dir)
     assert weights_fingerprint(model_dir, cache) != first
 
 
