@@ -9,6 +9,8 @@ then keeps or drops the state once they settle.
 
 from __future__ import annotations
 
+import attrs
+
 from kvstate.core import events as ev
 from kvstate.core.checkpoints import forget_checkpoint
 from kvstate.core.checks import (
@@ -35,9 +37,7 @@ def admit(state: ServiceState, e: ev.Admit):
     if budget is not None and state.projected_bytes + need > budget:
         return Step(state, (), Admission.WAIT)
     d = Draft(state)
-    d.lease_set(e.lease, Lease(request, admitted_bytes=need, admitted=True) if lease is None
-                else Lease(lease.request, need, True, lease.acquired, lease.namespace, lease.pending_handle,
-                           lease.checkpoint_key))
+    d.lease_set(e.lease, attrs.evolve(lease or Lease(request), admitted=True, admitted_bytes=need))
     d.projected_bytes += need
     return Step(d.build(), (), Admission.ADMITTED)
 
