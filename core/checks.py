@@ -7,11 +7,6 @@ from kvstate.core.request import Request
 from kvstate.core.state import Phase, ServiceState
 
 
-def projected_bytes(state: ServiceState, request: Request) -> int:
-    """Bytes ``request``'s caches will hold at prompt + max_tokens (admission's projection)."""
-    return state.config.model.bytes_for(len(request.prompt) + request.max_tokens)
-
-
 def size_text(nbytes: int) -> str:
     """Bytes for a message: exact below a KiB, else three significant digits in binary units."""
     if nbytes < 1024:

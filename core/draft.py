@@ -46,7 +46,7 @@ class TierDraft:
 class Draft:
     """A :class:`ServiceState` being built by one transition."""
 
-    __slots__ = ("config", "ram", "disk", "entries", "leases", "projected_bytes", "writes", "reading",
+    __slots__ = ("config", "ram", "disk", "entries", "leases", "projected_bytes", "measured_bytes", "writes", "reading",
                  "acquiring", "checkpoints", "sessions", "counters", "counts", "next_entry", "now", "phase",
                  "close_result", "deferred")
 
@@ -54,6 +54,7 @@ class Draft:
         self.config = state.config
         self.ram, self.disk = TierDraft(state.ram), TierDraft(state.disk)
         self.entries, self.leases, self.projected_bytes = state.entries, state.leases, state.projected_bytes
+        self.measured_bytes = state.measured_bytes
         self.writes, self.reading, self.acquiring = state.writes, state.reading, state.acquiring
         self.checkpoints, self.sessions, self.counters = state.checkpoints, state.sessions, state.counters
         self.counts: dict[str, int] = {}
@@ -66,7 +67,7 @@ class Draft:
             counts = self.counts
             counters = Counters(*[getattr(counters, name) + counts.get(name, 0) for name in _COUNTERS])
         return ServiceState(self.config, self.ram.frozen(), self.disk.frozen(), self.entries, self.leases,
-                            self.projected_bytes, self.writes, self.reading, self.acquiring, self.checkpoints,
+                            self.projected_bytes, self.measured_bytes, self.writes, self.reading, self.acquiring, self.checkpoints,
                             self.sessions, counters, self.next_entry, self.now, self.phase, self.close_result,
                             self.deferred)
 

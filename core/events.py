@@ -27,6 +27,13 @@ class Admit(Event):
 
 
 @attrs.frozen
+class BatchMeasured(Event):
+    """The running requests' caches hold ``nbytes`` now (a batch's real bytes, padding included)."""
+
+    nbytes: int
+
+
+@attrs.frozen
 class Fits(Event):
     """Would ``request`` be admitted now?"""
 

@@ -76,7 +76,7 @@ def _clear(d: Draft) -> Step:
         current = d.entries[entry.id]
         if current.residence in (R.RAM, R.BOTH):
             drop_ram(d, current, out)
-    d.leases, d.projected_bytes, d.sessions = EMPTY, 0, EMPTY
+    d.leases, d.projected_bytes, d.measured_bytes, d.sessions = EMPTY, 0, 0, EMPTY
     d.phase, d.close_result, d.deferred = Phase.CLOSED, result, None
     return Step(d.build(), tuple(out), result)
 

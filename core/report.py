@@ -56,9 +56,11 @@ class Report:
     checkpoint_bytes: int
     checkpoints_written: int
     resumes: int
-    #: Live requests, and the projected bytes of the admitted ones against the budget.
+    #: Live requests, the projected bytes of the admitted ones against the budget, and what their
+    #: caches were last measured holding (0 where nothing measures them).
     live_requests: int
     projected_bytes: int
+    measured_bytes: int
     budget_bytes: int | None
 
 
@@ -87,4 +89,5 @@ def report(state: ServiceState) -> Report:
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,
         checkpoints=len(state.checkpoints), checkpoint_bytes=sum(r.file_bytes for r in state.checkpoints.values()),
         checkpoints_written=c.checkpoints_written, resumes=c.resumes,
-        live_requests=len(state.leases), projected_bytes=state.projected_bytes, budget_bytes=config.kv_budget_bytes)
+        live_requests=len(state.leases), projected_bytes=state.projected_bytes,
+        measured_bytes=state.measured_bytes, budget_bytes=config.kv_budget_bytes)

@@ -1,7 +1,9 @@
 """Requests and admission: admit under the KV budget, publish, release, sessions.
 
 Admission charges a request its projected bytes (prompt + max_tokens, from the
-model geometry) until release. Publish hands kept state to the tiers; when RAM
+model geometry; in a padded batch, the batch's longest row: see
+:mod:`~kvstate.core.admission`) until release; the running caches' measured
+bytes top the projection up. Publish hands kept state to the tiers; when RAM
 is full only of entries pinned by writes in flight, it waits for them
 (backpressure: a :class:`~kvstate.core.replies.Pending` reply and a ``Sync``),
 then keeps or drops the state once they settle.
@@ -11,10 +13,10 @@ from __future__ import annotations
 
 import attrs
 
-from kvstate.core import events as ev
+from kvstate.core import admission, events as ev
 from kvstate.core.checkpoints import forget_checkpoint
 from kvstate.core.checks import (
-    check_budget, check_context, check_sizes, ensure_open, keeps, projected_bytes,
+    check_budget, check_context, check_sizes, ensure_open, keeps,
 )
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.errors import InvalidRequest, RequestKeepsNoState, TokensDoNotMatchCaches
@@ -28,27 +30,38 @@ def admit(state: ServiceState, e: ev.Admit):
     ensure_open(state, "admit")
     request = request_check(e.request)
     check_context(state, request)
-    need = projected_bytes(state, request)
+    need = admission.own_bytes(state, request)
     check_budget(state, request, need)
     lease = state.leases.get(e.lease)
     if lease is not None and lease.admitted:
         return Step(state, (), Admission.ADMITTED)
-    budget = state.config.kv_budget_bytes
-    if budget is not None and state.projected_bytes + need > budget:
+    projected = admission.charge_with(state, request)
+    if not admission.has_room(state, projected):
         return Step(state, (), Admission.WAIT)
     d = Draft(state)
     d.lease_set(e.lease, attrs.evolve(lease or Lease(request), admitted=True, admitted_bytes=need))
-    d.projected_bytes += need
+    d.projected_bytes = projected
     return Step(d.build(), (), Admission.ADMITTED)
 
 
 def fits(state: ServiceState, e: ev.Fits):
     request = request_check(e.request)
     limit = state.config.model.context_limit
-    if state.phase is not Phase.OPEN or (limit is not None and len(request.prompt) + request.max_tokens > limit):
+    if state.phase is not Phase.OPEN or (limit is not None and admission.wanted_tokens(request) > limit):
         return Step(state, (), False)
     budget = state.config.kv_budget_bytes
-    return Step(state, (), budget is None or state.projected_bytes + projected_bytes(state, request) <= budget)
+    if budget is not None and admission.own_bytes(state, request) > budget:
+        return Step(state, (), False)
+    return Step(state, (), admission.has_room(state, admission.charge_with(state, request)))
+
+
+def batch_measured(state: ServiceState, e: ev.BatchMeasured):
+    """The running caches were measured: admission goes by the measure where it exceeds the projection."""
+    if not isinstance(e.nbytes, int) or isinstance(e.nbytes, bool) or e.nbytes < 0:
+        raise InvalidRequest(f"a batch measure is a non-negative int of bytes, got {e.nbytes!r}")
+    d = Draft(state)
+    d.measured_bytes = e.nbytes
+    return Step(d.build(), (), None)
 
 
 def keeps_query(state: ServiceState, e: ev.Keeps):
@@ -88,7 +101,13 @@ def release(state: ServiceState, e: ev.Release):
         raise InvalidRequest(f"completed must be True or False, got {e.completed!r}")
     d = Draft(state)
     d.leases = d.leases.delete(e.lease)
-    d.projected_bytes -= lease.admitted_bytes
+    if lease.admitted:
+        before = state.projected_bytes
+        d.projected_bytes = (before - lease.admitted_bytes if state.config.batch_padding_step is None
+                             else admission.charge(state, [other.request for other in d.leases.values()
+                                                           if other.admitted]))
+        # The measure is older than this release: take the released share off it too.
+        d.measured_bytes = max(0, state.measured_bytes - (before - d.projected_bytes)) if d.projected_bytes else 0
     if lease.pending_handle is not None:
         d.acquiring = without(d.acquiring, lease.pending_handle)
     out: list = []

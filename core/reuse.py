@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import attrs
 
-from kvstate.core import events as ev
-from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, projected_bytes, size_text
+from kvstate.core import admission, events as ev
+from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, size_text
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.errors import NotAdmitted, RequestAlreadyAcquired
 from kvstate.core.prefix_index import common_prefix
@@ -68,13 +68,13 @@ def _admitted_implicitly(d: Draft, lease: Lease) -> Lease:
     is never bypassed."""
     request = lease.request
     check_context(d, request)
-    need = projected_bytes(d, request)
+    need = admission.own_bytes(d, request)
     check_budget(d, request, need)
-    budget = d.config.kv_budget_bytes
-    if budget is not None and d.projected_bytes + need > budget:
+    projected = admission.charge_with(d, request)
+    if not admission.has_room(d, projected):
         raise NotAdmitted(f"acquire of a request never admitted, and the KV budget has no room for its "
                           f"{size_text(need)} now; call admit() first and wait while it returns False")
-    d.projected_bytes += need
+    d.projected_bytes = projected
     return attrs.evolve(lease, admitted=True, admitted_bytes=need)
 
 

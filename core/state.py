@@ -104,6 +104,9 @@ class ServiceConfig:
 
     ``ram_capacity_bytes`` bounds kept prefixes in RAM; ``kv_budget_bytes``
     bounds the projected bytes of admitted requests (None: unlimited);
+    ``batch_padding_step`` says admitted requests run in one batch padded to
+    its longest row, grown that many tokens at a time (None: one cache each;
+    see :mod:`~kvstate.core.admission`).
     ``disk_capacity_bytes`` enables the disk tier (None: none). ``retention``
     marks entries that are evicted only after every other (True: protected),
     for example system-prompt prefixes. ``demote_idle_after`` (seconds) moves
@@ -113,6 +116,7 @@ class ServiceConfig:
     model: ModelSpec
     ram_capacity_bytes: int
     kv_budget_bytes: int | None = None
+    batch_padding_step: int | None = None
     disk_capacity_bytes: int | None = None
     policy: str = "lru"
     write_behind: bool = True
@@ -138,6 +142,11 @@ class ServiceConfig:
             raise InvalidConfig(str(error)) from None
         if self.demote_idle_after is not None and not self.demote_idle_after > 0:
             raise InvalidConfig(f"demote_idle_after must be positive seconds or None, got {self.demote_idle_after!r}")
+        if self.batch_padding_step is not None and (
+                not isinstance(self.batch_padding_step, int) or isinstance(self.batch_padding_step, bool)
+                or self.batch_padding_step < 1):
+            raise InvalidConfig(f"batch_padding_step must be a positive int of tokens or None, "
+                                f"got {self.batch_padding_step!r}")
         if self.checkpoint_every_tokens is not None and (
                 not isinstance(self.checkpoint_every_tokens, int) or self.checkpoint_every_tokens < 1):
             raise InvalidConfig(f"checkpoint_every_tokens must be a positive int or None, "
@@ -276,6 +285,8 @@ class ServiceState:
     entries: immutables.Map = EMPTY         # entry id -> Entry
     leases: immutables.Map = EMPTY          # lease id -> Lease
     projected_bytes: int = 0
+    #: What the running caches were last measured holding (BatchMeasured), less what released since.
+    measured_bytes: int = 0
     writes: Writes = Writes()
     reading: immutables.Map = EMPTY         # entry id -> restores in flight (pins its file)
     acquiring: immutables.Map = EMPTY       # handle -> Waiting, for acquires waiting on a read

@@ -27,7 +27,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvstate.core import checkpoints, events as ev, lifecycle, objects, requests, reuse, tiers
-from kvstate.core.checks import ensure_open, keeps, projected_bytes
+from kvstate.core.admission import own_bytes
+from kvstate.core.checks import ensure_open, keeps
 from kvstate.core.checkpoints import checkpoint_meta
 from kvstate.core.draft import Draft, Step
 from kvstate.core.reuse import checkpoint_key, usable_length
@@ -36,7 +37,7 @@ from kvstate.core.tiers import optional_bytes
 from kvstate.effects import completions as done
 
 __all__ = ["Step", "step", "UnknownEvent", "HANDLERS", "checkpoint_key", "checkpoint_meta", "keeps",
-           "optional_bytes", "projected_bytes", "usable_length"]
+           "optional_bytes", "own_bytes", "usable_length"]
 
 
 def _on_draft(handler: Callable[[Draft, Any], tuple[list, Any]]) -> Callable[[ServiceState, Any], Step]:
@@ -61,6 +62,7 @@ def _prefetch(state: ServiceState, e: ev.Prefetch) -> Step:
 HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Admit: requests.admit,
     ev.Fits: requests.fits,
+    ev.BatchMeasured: requests.batch_measured,
     ev.Keeps: requests.keeps_query,
     ev.Publish: requests.publish,
     ev.Release: requests.release,

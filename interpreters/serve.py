@@ -89,7 +89,7 @@ def check_server_internals() -> Any:
 #: Report fields that go up and down; every other count only grows (a Prometheus counter).
 _GAUGES = frozenset({"entries", "bytes", "capacity_bytes", "saved_entries", "saved_bytes", "saved_capacity_bytes",
                      "disk_bytes", "pending_writes", "pending_write_bytes", "checkpoints", "checkpoint_bytes",
-                     "live_requests", "projected_bytes", "budget_bytes"})
+                     "live_requests", "projected_bytes", "measured_bytes", "budget_bytes"})
 
 
 class ReportCollector:

@@ -174,6 +174,11 @@ class KvCacheService:
         with self._lock:
             return self._run(ev.Admit(self._lease(request, create=True), request)) is Admission.ADMITTED
 
+    def measure_batch(self, nbytes: int) -> None:
+        """The running requests' caches hold ``nbytes`` now (a batch's real bytes, padding included):
+        admission goes by this measure wherever it exceeds the projection."""
+        self._run(ev.BatchMeasured(nbytes))
+
     def fits(self, request: Request) -> bool:
         """Whether ``admit`` would admit ``request`` now; holds nothing."""
         return self._run(ev.Fits(request))

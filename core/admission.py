@@ -1,0 +1,77 @@
+"""What admitting a request costs against the KV budget, summed or as one padded batch.
+
+A request is charged its projected bytes: its caches at prompt + max_tokens,
+from the model geometry. How charges add up depends on how requests run:
+
+- one cache each (the default): the charges sum;
+- one batch padded to its longest row (``ServiceConfig.batch_padding_step``):
+  mlx-lm's ``BatchGenerator`` pads every row on the left to the longest and
+  grows its caches a step of tokens at a time, so ``n`` live requests hold up to
+  ``n`` times the longest one's bytes, rounded up to a step. A short request
+  that joins a long one costs the long one's bytes.
+
+What the running caches were last measured holding (``BatchMeasured``) tops the
+projection up: if the caches hold more than the geometry projects (a cache kind
+the projection misses, an allocator's slack), admission goes by the measure.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kvstate.core.request import Request
+from kvstate.core.state import ServiceState
+
+
+def wanted_tokens(request: Request) -> int:
+    """Positions ``request``'s caches hold once it has generated ``max_tokens``."""
+    return len(request.prompt) + request.max_tokens
+
+
+def _padded(tokens: int, step: int) -> int:
+    return -(-tokens // step) * step
+
+
+def own_bytes(state: ServiceState, request: Request) -> int:
+    """Bytes ``request`` is charged running alone: its caches at prompt + max_tokens (in a padded
+    batch, rounded up to the batch's step)."""
+    tokens = wanted_tokens(request)
+    step = state.config.batch_padding_step
+    return state.config.model.bytes_for(tokens if step is None else _padded(tokens, step))
+
+
+def charge(state: ServiceState, requests: Iterable[Request]) -> int:
+    """The projected bytes of ``requests`` admitted together."""
+    step = state.config.batch_padding_step
+    if step is None:
+        return sum(own_bytes(state, request) for request in requests)
+    rows = longest = 0
+    for request in requests:
+        rows += 1
+        longest = max(longest, wanted_tokens(request))
+    return rows * state.config.model.bytes_for(_padded(longest, step)) if rows else 0
+
+
+def admitted_requests(state: ServiceState) -> list[Request]:
+    return [lease.request for lease in state.leases.values() if lease.admitted]
+
+
+def charge_with(state: ServiceState, request: Request) -> int:
+    """The projected bytes once ``request`` is admitted beside the admitted ones."""
+    if state.config.batch_padding_step is None:
+        return state.projected_bytes + own_bytes(state, request)
+    return charge(state, [*admitted_requests(state), request])
+
+
+def has_room(state: ServiceState, projected: int) -> bool:
+    """Whether the budget holds ``projected`` bytes of admitted requests, topped up by what the
+    running caches were last measured holding beyond the current projection."""
+    budget = state.config.kv_budget_bytes
+    if budget is None:
+        return True
+    return projected + max(0, state.measured_bytes - state.projected_bytes) <= budget
+
+
+def held_bound(state: ServiceState) -> int:
+    """The most the admitted requests' caches may hold: the projection or the last measure."""
+    return max(state.projected_bytes, state.measured_bytes)

@@ -1,0 +1,123 @@
+"""Admission for one padded batch (``batch_padding_step``), model-checked against a naive batch.
+
+mlx-lm's ``BatchGenerator`` pads every row to the longest and grows its caches a
+step of tokens at a time. The reference below is that batch written plainly: a
+list of live rows, each holding up to prompt + max_tokens positions, the whole
+batch allocated at rows x the longest row rounded up to a step. The service
+must admit exactly what fits the budget by that measure (topped up by a
+measured batch that holds more than projected), and so the batch never holds
+more than the budget.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvstate import InvalidConfig, KvCacheService, LayerKind, LayerSpec, ModelSpec, NotAdmitted, Request
+from tests.reference import attention_bytes
+
+LAYERS, KV_HEADS, HEAD_DIM, STEP = 2, 1, 4, 16
+SPEC = ModelSpec("batch-dense", (LayerSpec(LayerKind.FULL_ATTENTION, kv_heads=KV_HEADS, head_dim=HEAD_DIM),) * LAYERS,
+                 4096)
+BUDGET = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 4 * 128)
+
+
+def batch_bytes(rows: list[int], step: int = STEP) -> int:
+    """What a padded batch of rows (each its prompt + max_tokens) allocates at most."""
+    if not rows:
+        return 0
+    longest = max(rows)
+    padded = (longest + step - 1) // step * step
+    return len(rows) * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, padded)
+
+
+class PaddedBatchMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=BUDGET, batch_padding_step=STEP)
+        self.live: list[tuple[Request, int]] = []   # admitted requests and their rows' positions
+        self.measured = 0                             # the last measure, less the releases since
+
+    @rule(prompt=st.integers(1, 300), max_tokens=st.integers(1, 200), implicit=st.booleans())
+    def admit(self, prompt, max_tokens, implicit):
+        request = Request(tuple(range(prompt)), max_tokens)
+        rows = [wanted for _, wanted in self.live]
+        before, after = batch_bytes(rows), batch_bytes([*rows, prompt + max_tokens])
+        fits = after + max(0, self.measured - before) <= BUDGET
+        if implicit:  # acquire without admit: admits as admit would, or refuses
+            try:
+                self.service.acquire(request)
+            except NotAdmitted:
+                assert not fits
+                return
+            assert fits
+        else:
+            assert self.service.admit(request) == fits
+            if not fits:
+                return
+        self.live.append((request, prompt + max_tokens))
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 50))
+    def release(self, which):
+        request, _ = self.live.pop(which % len(self.live))
+        before = batch_bytes([wanted for _, wanted in self.live] + [len(request.prompt) + request.max_tokens])
+        self.service.release(request)
+        after = batch_bytes([wanted for _, wanted in self.live])
+        self.measured = max(0, self.measured - (before - after)) if self.live else 0
+
+    @precondition(lambda self: self.live)
+    @rule(slack=st.integers(-2000, 2000))
+    def measure(self, slack):
+        """The batch measured near what the reference allocates, above or below."""
+        self.measured = max(0, batch_bytes([wanted for _, wanted in self.live]) + slack)
+        self.service.measure_batch(self.measured)
+
+    @invariant()
+    def projection_is_the_padded_batch(self):
+        report = self.service.report()
+        assert report.projected_bytes == batch_bytes([wanted for _, wanted in self.live])
+        assert report.measured_bytes == self.measured
+        assert report.live_requests == len(self.live)
+
+    @invariant()
+    def the_batch_fits_the_budget(self):
+        assert batch_bytes([wanted for _, wanted in self.live]) <= BUDGET
+
+
+def test_padded_batch_admission_matches_a_naive_batch():
+    run_state_machine_as_test(PaddedBatchMachine, settings=settings(
+        max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
+
+
+def test_a_short_request_beside_a_long_one_is_charged_the_long_ones_bytes():
+    budget = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1000)
+    service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=budget, batch_padding_step=STEP)
+    long, short = Request(tuple(range(300)), 100), Request((1, 2, 3), 1)
+    assert service.admit(long) and service.admit(short)
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 400)
+    service.release(long)
+    assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, STEP)
+
+
+def test_summed_admission_is_unchanged_without_padding():
+    service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1000))
+    assert service.admit(Request(tuple(range(300)), 100)) and service.admit(Request((1, 2, 3), 1))
+    assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 404)
+
+
+@pytest.mark.parametrize("step", [0, -1, 1.5, True, "256"])
+def test_a_padding_step_that_is_not_a_positive_int_is_refused(step):
+    with pytest.raises(InvalidConfig, match="batch_padding_step"):
+        KvCacheService.simulated(SPEC, ram_bytes=0, batch_padding_step=step)
+
+
+def test_a_measure_that_is_not_bytes_is_refused_and_changes_nothing():
+    service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=BUDGET, batch_padding_step=STEP)
+    before = service.state
+    with pytest.raises(Exception, match="bytes"):
+        service.measure_batch(-1)
+    assert service.state == before
