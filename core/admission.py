@@ -6,9 +6,9 @@ from the model geometry. How charges add up depends on how requests run:
 - one cache each (the default): the charges sum;
 - one batch padded to its longest row (``ServiceConfig.batch_padding_step``):
   mlx-lm's ``BatchGenerator`` pads every row on the left to the longest and
-  grows its caches a step of tokens at a time, so ``n`` live requests hold up to
-  ``n`` times the longest one's bytes, rounded up to a step. A short request
-  that joins a long one costs the long one's bytes.
+  grows its caches a step of tokens at a time, from wherever they end, so ``n``
+  live requests hold up to ``n`` rows of the longest one's positions plus a step
+  less one. A short request that joins a long one costs the long one's bytes.
 
 What the running caches were last measured holding (``BatchMeasured``) tops the
 projection up: if the caches hold more than the geometry projects (a cache kind
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from kvstate.core.request import Request
-from kvstate.core.state import ServiceState
+from kvstate.core.state import ServiceConfig, ServiceState
 
 
 def wanted_tokens(request: Request) -> int:
@@ -29,15 +29,21 @@ def wanted_tokens(request: Request) -> int:
 
 
 def _padded(tokens: int, step: int) -> int:
-    return -(-tokens // step) * step
+    """The most positions a batch row allocates to hold ``tokens``: a growth step can start at
+    any position, so up to a step less one beyond the last."""
+    return tokens + step - 1
+
+
+def alone_bytes(config: ServiceConfig, tokens: int) -> int:
+    """Bytes a request of ``tokens`` positions (prompt + max_tokens) is charged running alone (in a
+    padded batch, with the step's slack)."""
+    step = config.batch_padding_step
+    return config.model.bytes_for(tokens if step is None else _padded(tokens, step))
 
 
 def own_bytes(state: ServiceState, request: Request) -> int:
-    """Bytes ``request`` is charged running alone: its caches at prompt + max_tokens (in a padded
-    batch, rounded up to the batch's step)."""
-    tokens = wanted_tokens(request)
-    step = state.config.batch_padding_step
-    return state.config.model.bytes_for(tokens if step is None else _padded(tokens, step))
+    """Bytes ``request`` is charged running alone."""
+    return alone_bytes(state.config, wanted_tokens(request))
 
 
 def charge(state: ServiceState, requests: Iterable[Request]) -> int:

@@ -60,7 +60,7 @@ def batch_measured(state: ServiceState, e: ev.BatchMeasured):
     if not isinstance(e.nbytes, int) or isinstance(e.nbytes, bool) or e.nbytes < 0:
         raise InvalidRequest(f"a batch measure is a non-negative int of bytes, got {e.nbytes!r}")
     d = Draft(state)
-    d.measured_bytes = e.nbytes
+    d.measured_bytes = e.nbytes if state.projected_bytes else 0  # caches of no admitted request: not ours
     return Step(d.build(), (), None)
 
 

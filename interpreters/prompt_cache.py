@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvstate.core.admission import held_bound
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM
@@ -42,6 +43,18 @@ class KvStatePromptCache:
         self._lock = threading.Lock()
         self._types: dict[tuple[int, ...], str] = {}
         self._limit: tuple[int | None, int | None] = (None, None)
+        self._expected: dict[tuple[int, ...], Request] = {}
+
+    # ------------------------------------------------------------ admission's side
+
+    def expect(self, request: Request) -> None:
+        """The next fetch of ``request.prompt`` is this admitted request's: it acquires under that
+        lease, which stays live until the caller releases it (the end of its batch row)."""
+        self._expected[request.prompt] = request
+
+    def unexpect(self, request: Request) -> None:
+        if self._expected.get(request.prompt) is request:
+            del self._expected[request.prompt]
 
     # ------------------------------------------------------------ what the server calls
 
@@ -50,11 +63,16 @@ class KvStatePromptCache:
         caller owns) and the tokens left to compute; ``(None, tokens)`` for a miss."""
         if model != self.model_key or not tokens:
             return None, tokens
-        request = Request(tuple(tokens), 1)
+        key = tuple(tokens)
+        admitted = self._expected.pop(key, None)
+        request = admitted or Request(key, 1)
         try:
             state = self.service.acquire(request, self.namespace)
+        except KvStateError:
+            return None, tokens  # no room to admit a request nothing admitted: compute it all, keep nothing
         finally:
-            self.service.release(request, completed=True)
+            if admitted is None:
+                self.service.release(request, completed=True)
         self.service.boundary()
         if state.reused_tokens == 0:
             return None, tokens
@@ -93,9 +111,14 @@ class KvStatePromptCache:
             self._limit = (None, None)
 
     def over_limit(self, held_bytes: int) -> bool:
-        """The service's memory-pressure callback: whether RAM holds more than ``trim_to`` allows."""
+        """The service's memory-pressure callback: whether RAM holds more than ``trim_to`` allows, or
+        more than the KV budget leaves beside the running requests (their projection, or their
+        measure where larger)."""
         sequences, nbytes = self._limit
         if nbytes is not None and held_bytes > nbytes:
+            return True
+        budget = self.service.config.kv_budget_bytes
+        if budget is not None and held_bytes > budget - held_bound(self.service.state):
             return True
         return sequences is not None and len(self) > sequences
 

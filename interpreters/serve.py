@@ -25,7 +25,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvstate.core.admission import alone_bytes
 from kvstate.core.errors import KvStateError
+from kvstate.interpreters.batch_admission import (
+    CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
+)
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
 
@@ -48,6 +52,7 @@ def check_server_internals() -> Any:
     import inspect
 
     from mlx_lm import server
+    from mlx_lm.models import cache as cache_module
 
     version = metadata.version("mlx-lm")
     supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_MLX_LM)
@@ -71,6 +76,14 @@ def check_server_internals() -> Any:
             inspect.signature(server.APIHandler.handle_completion).parameters)[1:] == ["request", "stop_words"],
         "ResponseGenerator.stop_and_join": lambda: callable(getattr(server.ResponseGenerator, "stop_and_join", None)),
         "main() parsing sys.argv": lambda: callable(getattr(server, "main", None)),
+        "ResponseGenerator._next_request(timeout)": lambda: list(
+            inspect.signature(server.ResponseGenerator._next_request).parameters)[1:] == ["timeout"],
+        "ResponseGenerator._tokenize(tokenizer, request, args)": lambda: list(
+            inspect.signature(server.ResponseGenerator._tokenize).parameters)[1:] == ["tokenizer", "request", "args"],
+        "BatchGenerator with insert_segments, next, remove, close and prompt_cache_nbytes": lambda: all(
+            hasattr(server.BatchGenerator, name) for name in ("insert_segments", "next", "remove", "close",
+                                                             "prompt_cache_nbytes")),
+        "BatchKVCache.step": lambda: getattr(cache_module.BatchKVCache, "step", None) == CACHE_STEP,
     }
     for piece, holds in expected.items():
         try:
@@ -95,8 +108,9 @@ _GAUGES = frozenset({"entries", "bytes", "capacity_bytes", "saved_entries", "sav
 class ReportCollector:
     """Every counter of the service's report, hit ratios and bytes per tier, read at each scrape."""
 
-    def __init__(self, service: KvCacheService):
+    def __init__(self, service: KvCacheService, admission: BatchAdmission | None = None):
         self.service = service
+        self.admission = admission
 
     def collect(self):
         import attrs
@@ -122,14 +136,21 @@ class ReportCollector:
         tiers.add_metric(["ram"], report.bytes)
         tiers.add_metric(["disk"], report.disk_bytes)
         yield tiers
+        if self.admission is not None:
+            yield GaugeMetricFamily("kvstate_batch_peak_bytes", "the most the running batch's caches were measured "
+                                    "holding after a step, padding included", value=self.admission.peak_batch_bytes)
+            yield GaugeMetricFamily("kvstate_held_peak_bytes", "the most the running batch and kept RAM state held "
+                                    "together after a step", value=self.admission.peak_held_bytes)
+            yield CounterMetricFamily("kvstate_batch_waits", "requests that waited for room in the KV budget "
+                                      "before joining the batch", value=self.admission.waited)
 
 
-def metrics_text(service: KvCacheService) -> bytes:
-    """The Prometheus text exposition of ``service``'s report."""
+def metrics_text(service: KvCacheService, admission: BatchAdmission | None = None) -> bytes:
+    """The Prometheus text exposition of ``service``'s report (and of the batch's admission)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
-    registry.register(ReportCollector(service))
+    registry.register(ReportCollector(service, admission))
     return generate_latest(registry)
 
 
@@ -158,13 +179,15 @@ def refusal(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: i
     if spec.context_limit is not None and wanted > spec.context_limit:
         return (f"prompt of {prompt} tokens + max_tokens {max_tokens} = {wanted} tokens is past the model's "
                 f"context limit of {spec.context_limit}; shorten the prompt or lower max_tokens")
-    if budget_bytes is not None and spec.bytes_for(wanted) > budget_bytes:
-        return (f"prompt of {prompt} tokens + max_tokens {max_tokens} needs {spec.bytes_for(wanted)} bytes of KV, "
+    need = alone_bytes(service.config, wanted)
+    if budget_bytes is not None and need > budget_bytes:
+        return (f"prompt of {prompt} tokens + max_tokens {max_tokens} needs {need} bytes of KV, "
                 f"over the whole KV budget of {budget_bytes} bytes on its own; lower max_tokens")
     return None
 
 
-def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int | None = None) -> type:
+def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int | None = None,
+                         admission: BatchAdmission | None = None) -> type:
     """mlx-lm's request handler with ``GET /metrics`` added, and requests that can never run refused
     with a 400 before they reach the generation thread; everything else is the server's own."""
     from prometheus_client import CONTENT_TYPE_LATEST
@@ -186,7 +209,7 @@ def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int
         def do_GET(self):
             if self.path.split("?", 1)[0] != "/metrics":
                 return super().do_GET()
-            body = metrics_text(service)
+            body = metrics_text(service, admission)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))
@@ -236,7 +259,8 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
     # Identity from the weight files, hashed once (an adapter on top changes the weights: hash those then).
     plain = model_provider.cli_args.adapter_path is None and any(Path(model_provider.cli_args.model).glob(
         "*.safetensors"))
-    service = mlx_service(model, ram_bytes=options.ram_bytes, disk_dir=options.disk_dir,
+    service = mlx_service(model, ram_bytes=options.ram_bytes, kv_budget_bytes=options.kv_budget_bytes,
+                          batch_padding_step=CACHE_STEP, disk_dir=options.disk_dir,
                           disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
                           config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
                           pressure=pressure, weights_dir=model_provider.cli_args.model if plain else None)
@@ -258,20 +282,23 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         report = cache.service.report()
         logging.info("kvstate: %d saved prefixes found on disk, %d files rejected", report.saved_entries,
                      report.rejected_files)
-        generator = server.ResponseGenerator(model_provider, cache)
-        handler = handler_with_metrics(server, cache.service, options.kv_budget_bytes)
+        admission = BatchAdmission(cache)
+        # The generation thread builds its BatchGenerator by this module-level name.
+        server.BatchGenerator = measured_batch_generator(previous_batch, admission)
+        generator = admitting_generator(server, admission)(model_provider, cache)
+        handler = handler_with_metrics(server, cache.service, options.kv_budget_bytes, admission)
         server._run_http_server(host, port, generator, handler_class=handler)
 
     def stop(signum, frame):
         raise KeyboardInterrupt  # the server's own shutdown path: stop serving, join the generation thread
 
-    previous_run, previous_argv = server.run, sys.argv
+    previous_run, previous_argv, previous_batch = server.run, sys.argv, server.BatchGenerator
     previous_term = signal.signal(signal.SIGTERM, stop)
     server.run, sys.argv = run, ["mlx_lm.server", *server_argv]
     try:
         server.main()
     finally:
-        server.run, sys.argv = previous_run, previous_argv
+        server.run, sys.argv, server.BatchGenerator = previous_run, previous_argv, previous_batch
         signal.signal(signal.SIGTERM, previous_term)
         cache = served.get("cache")
         if cache is not None:

@@ -1,9 +1,10 @@
 """Admission for one padded batch (``batch_padding_step``), model-checked against a naive batch.
 
 mlx-lm's ``BatchGenerator`` pads every row to the longest and grows its caches a
-step of tokens at a time. The reference below is that batch written plainly: a
-list of live rows, each holding up to prompt + max_tokens positions, the whole
-batch allocated at rows x the longest row rounded up to a step. The service
+step of tokens at a time, from wherever they end. The reference below is that
+batch written plainly: a list of live rows, each holding up to prompt +
+max_tokens positions, the whole batch allocated at most rows x (the longest row
++ a step less one). The service
 must admit exactly what fits the budget by that measure (topped up by a
 measured batch that holds more than projected), and so the batch never holds
 more than the budget.
@@ -16,7 +17,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstate import InvalidConfig, KvCacheService, LayerKind, LayerSpec, ModelSpec, NotAdmitted, Request
+from kvstate import (
+    InvalidConfig, KvCacheService, LayerKind, LayerSpec, ModelSpec, NotAdmitted, OverBudget, Request,
+)
 from tests.reference import attention_bytes
 
 LAYERS, KV_HEADS, HEAD_DIM, STEP = 2, 1, 4, 16
@@ -26,12 +29,11 @@ BUDGET = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 4 * 128)
 
 
 def batch_bytes(rows: list[int], step: int = STEP) -> int:
-    """What a padded batch of rows (each its prompt + max_tokens) allocates at most."""
+    """What a padded batch of rows (each its prompt + max_tokens) allocates at most: its last growth
+    step may begin one position before the longest row ends."""
     if not rows:
         return 0
-    longest = max(rows)
-    padded = (longest + step - 1) // step * step
-    return len(rows) * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, padded)
+    return len(rows) * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, max(rows) - 1 + step)
 
 
 class PaddedBatchMachine(RuleBasedStateMachine):
@@ -45,6 +47,12 @@ class PaddedBatchMachine(RuleBasedStateMachine):
     def admit(self, prompt, max_tokens, implicit):
         request = Request(tuple(range(prompt)), max_tokens)
         rows = [wanted for _, wanted in self.live]
+        if batch_bytes([prompt + max_tokens]) > BUDGET:  # can never run, even alone
+            state = self.service.state
+            with pytest.raises(OverBudget):
+                self.service.acquire(request) if implicit else self.service.admit(request)
+            assert self.service.state == state
+            return
         before, after = batch_bytes(rows), batch_bytes([*rows, prompt + max_tokens])
         fits = after + max(0, self.measured - before) <= BUDGET
         if implicit:  # acquire without admit: admits as admit would, or refuses
@@ -69,12 +77,13 @@ class PaddedBatchMachine(RuleBasedStateMachine):
         after = batch_bytes([wanted for _, wanted in self.live])
         self.measured = max(0, self.measured - (before - after)) if self.live else 0
 
-    @precondition(lambda self: self.live)
     @rule(slack=st.integers(-2000, 2000))
     def measure(self, slack):
-        """The batch measured near what the reference allocates, above or below."""
-        self.measured = max(0, batch_bytes([wanted for _, wanted in self.live]) + slack)
-        self.service.measure_batch(self.measured)
+        """The batch measured near what the reference allocates, above or below; with nothing
+        admitted, whatever is measured belongs to no request and counts nothing."""
+        measured = max(0, batch_bytes([wanted for _, wanted in self.live]) + slack)
+        self.service.measure_batch(measured)
+        self.measured = measured if self.live else 0
 
     @invariant()
     def projection_is_the_padded_batch(self):
@@ -98,9 +107,9 @@ def test_a_short_request_beside_a_long_one_is_charged_the_long_ones_bytes():
     service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=budget, batch_padding_step=STEP)
     long, short = Request(tuple(range(300)), 100), Request((1, 2, 3), 1)
     assert service.admit(long) and service.admit(short)
-    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 400)
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 400 + STEP - 1)
     service.release(long)
-    assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, STEP)
+    assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 4 + STEP - 1)
 
 
 def test_summed_admission_is_unchanged_without_padding():

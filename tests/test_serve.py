@@ -264,14 +264,16 @@ def test_served_tokens_equal_stock_mlx_lm_server(family, seed, tmp_path):
 
 
 def test_a_request_that_can_never_run_gets_a_400_that_says_why(tmp_path):
-    directory = save_model_dir(tmp_path / "short", "llama", seed=4, max_position_embeddings=128)
-    budget = 64 * 512  # 64 tokens of this llama's KV (2 layers x 2 heads x 16 dims x keys and values, float32)
+    directory = save_model_dir(tmp_path / "short", "llama", seed=4, max_position_embeddings=512)
+    # 300 tokens of this llama's KV (2 layers x 2 heads x 16 dims x keys and values, float32): the
+    # batch's caches grow 256 tokens at a time, so a short request holds up to a step beyond its end.
+    budget = 300 * 512
     server = Server(directory, "--kv-budget-bytes", str(budget), "--ram-bytes", "16MiB")
     try:
         with pytest.raises(openai.BadRequestError, match="context limit"):
-            chat(server, [SYSTEM, {"role": "user", "content": "the quick brown fox " * 40}], max_tokens=8)
+            chat(server, [SYSTEM, {"role": "user", "content": "the quick brown fox " * 160}], max_tokens=8)
         with pytest.raises(openai.BadRequestError, match="KV budget"):
-            chat(server, [{"role": "user", "content": "Hello"}], max_tokens=100)
+            chat(server, [{"role": "user", "content": "Hello"}], max_tokens=300)
         assert chat(server, [{"role": "user", "content": "Hello"}], max_tokens=8).choices[0].message.content
         metrics = server.metrics()
         assert metrics["kvstate_live_requests"] == 0 and metrics["kvstate_hits_total"] + \
@@ -288,3 +290,45 @@ def test_a_restart_on_changed_weights_restores_nothing_of_the_old_model(tmp_path
     assert again.usage.prompt_tokens_details.cached_tokens == 0 and metrics["kvstate_restores_total"] == 0
     identities = [d for d in (tmp_path / "disk").iterdir() if d.is_dir()]
     assert len(identities) == 2  # the old model's state stays under its own identity, never read
+
+
+def _batch_load(server: Server, eos: int) -> list[int]:
+    """Eight clients at once, prompts of different lengths, each generating 200 tokens (no EOS)."""
+    results: list[int] = []
+
+    def client(i: int) -> None:
+        words = "the quick brown fox jumps over the lazy dog " * (1 + 5 * i)
+        reply = chat(server, [{"role": "user", "content": words}], max_tokens=200, logit_bias={str(eos): -100})
+        results.append(reply.usage.completion_tokens)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_the_running_batch_never_holds_more_than_the_kv_budget(model_dir, tmp_path):
+    """Eight long requests at once: unbounded, the padded batch holds more than the budget; with
+    ``--kv-budget-bytes`` the requests wait their turn, every one is served, and the batch's real
+    bytes, and the batch with kept state, stay within the budget after every step."""
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    budget = 3 * 512 * 512  # three rows of 512 tokens of this llama (512 bytes of KV a token)
+    unbounded = Server(model_dir, "--ram-bytes", "64MiB")
+    try:
+        assert _batch_load(unbounded, eos) == [200] * 8
+        assert unbounded.metrics()["kvstate_batch_peak_bytes"] > budget  # without admission the batch overruns
+    finally:
+        unbounded.stop()
+    bounded = Server(model_dir, "--ram-bytes", "64MiB", "--kv-budget-bytes", str(budget))
+    try:
+        assert _batch_load(bounded, eos) == [200] * 8
+        metrics = bounded.metrics()
+        assert metrics["kvstate_batch_waits_total"] > 0
+        assert 0 < metrics["kvstate_batch_peak_bytes"] <= budget
+        assert metrics["kvstate_held_peak_bytes"] <= budget
+        assert metrics["kvstate_live_requests"] == 0 and metrics["kvstate_projected_bytes"] == 0
+        assert metrics["kvstate_bytes"] <= budget
+    finally:
+        bounded.stop()

@@ -1,0 +1,204 @@
+"""The server's requests held to the KV budget as the one padded batch they run in.
+
+``mlx_lm.server`` puts every request it dequeues into its ``BatchGenerator``
+at once; nothing bounds what the batch holds. Here each request is admitted by
+the service before the server sees it (``admit`` under ``batch_padding_step``:
+rows x the longest row, rounded up to the cache step) and waits, in arrival
+order, while the budget has no room. Its lease lives as long as its row: it is
+released when the batch finishes or removes the row. After every batch step the
+batch's real bytes (``prompt_cache_nbytes``, padding included) are measured
+into the service, so admission goes by the measure wherever it exceeds the
+projection, and the peaks are kept for ``/metrics``.
+
+Two pieces of the server are subclassed, nothing else changes:
+:func:`admitting_generator` (a ``ResponseGenerator`` whose ``_next_request``
+admits) and :func:`measured_batch_generator` (a ``BatchGenerator`` that
+reports its rows and bytes). Both run on the server's generation thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from kvstate.core.errors import KvStateError
+from kvstate.core.request import Request
+from kvstate.interpreters.prompt_cache import KvStatePromptCache
+
+#: The step in tokens by which mlx-lm's batch caches grow (``BatchKVCache.step``).
+CACHE_STEP = 256
+
+
+class BatchAdmission:
+    """The leases of the server's requests, from dequeue to the end of their batch row.
+
+    Everything but the peaks is touched on the server's generation thread only.
+    """
+
+    def __init__(self, cache: KvStatePromptCache):
+        self.cache = cache
+        self.service = cache.service
+        self._waiting: deque = deque()            # dequeued server requests the budget has no room for yet
+        self._unplaced: Request | None = None     # admitted, not yet a batch row (or served unbatched)
+        self._tokenized: tuple[int, tuple] | None = None  # (id of the server request, its tokenization)
+        self._rows: dict[int, Request] = {}       # batch uid -> its lease
+        self.peak_batch_bytes = 0
+        self.peak_held_bytes = 0
+        self.waited = 0
+
+    # ------------------------------------------------------------ the response generator's side
+
+    def next_admitted(self, take: Any, tokenize: Any, timeout: float | None) -> Any:
+        """The next server request the budget has room for, in arrival order, or None (the batch
+        goes on). ``take(timeout)`` dequeues one; ``tokenize(item)`` is the server's own
+        tokenization (prompt first), or raises for a request admission leaves to the server."""
+        self._end_unplaced()
+        while True:
+            arrived = take(None if self._waiting else timeout)  # newcomers queue behind the waiting
+            if arrived is not None:
+                self._waiting.append(self._arrival(arrived, tokenize))
+            if not self._waiting:
+                return None
+            item, tokenized = self._waiting[0]
+            verdict = self._admit(item, tokenized)
+            if verdict is WAIT:
+                return None
+            self._waiting.popleft()
+            if verdict is ADMITTED:
+                return item
+            # REFUSED: the client has its answer; look at the next one
+
+    @staticmethod
+    def _arrival(item: Any, tokenize: Any) -> tuple[Any, tuple | None]:
+        try:
+            return item, tokenize(item)
+        except Exception:  # noqa: BLE001 - not ours to admit: the server tokenizes and answers itself
+            return item, None
+
+    def _admit(self, item: Any, tokenized: tuple | None) -> object:
+        if tokenized is None:
+            return ADMITTED
+        rqueue, request, args = item
+        lease = Request(tuple(tokenized[0]), args.max_tokens)
+        try:
+            admitted = self.service.admit(lease)
+        except KvStateError as error:  # can never run (the handler's check did not see it): say why
+            rqueue.put(error)
+            return REFUSED
+        if not admitted:
+            if item is not self._last_waited:
+                self._last_waited = item
+                self.waited += 1
+            return WAIT
+        self._last_waited = None
+        self._tokenized = (id(request), tokenized)
+        self._unplaced = lease
+        self.cache.expect(lease)
+        return ADMITTED
+
+    _last_waited: Any = None
+
+    def tokenized(self, request: Any) -> tuple | None:
+        """The tokenization admission made of ``request`` (the server's own), or None."""
+        if self._tokenized is not None and self._tokenized[0] == id(request):
+            return self._tokenized[1]
+        return None
+
+    def _end_unplaced(self) -> None:
+        """A request admitted and never made a batch row was served unbatched or failed: it is done."""
+        lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        if lease is not None:
+            self.cache.unexpect(lease)
+            self.service.release(lease)
+
+    # ------------------------------------------------------------ the batch generator's side
+
+    def placed(self, uids: list[int]) -> None:
+        lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        if lease is None:
+            return
+        self.cache.unexpect(lease)
+        if len(uids) == 1:
+            self._rows[uids[0]] = lease
+        else:
+            self.service.release(lease)
+
+    def ended(self, uids: Any) -> None:
+        for uid in uids:
+            lease = self._rows.pop(uid, None)
+            if lease is not None:
+                self.service.release(lease)
+
+    def close(self) -> None:
+        self.ended(list(self._rows))
+
+    def measure(self, batch_bytes: int) -> None:
+        self.service.measure_batch(batch_bytes)
+        self.peak_batch_bytes = max(self.peak_batch_bytes, batch_bytes)
+        self.peak_held_bytes = max(self.peak_held_bytes, batch_bytes + self.cache.nbytes)
+
+
+#: ``BatchAdmission._admit``'s verdicts.
+ADMITTED, WAIT, REFUSED = object(), object(), object()
+
+
+def admitting_generator(server: Any, admission: BatchAdmission) -> type:
+    """mlx-lm's ``ResponseGenerator`` whose dequeue admits each request under the KV budget."""
+
+    class AdmittingResponseGenerator(server.ResponseGenerator):
+        def _next_request(self, timeout=None):
+            tokenizer = self.model_provider.tokenizer
+
+            def tokenize(item):
+                _, request, args = item
+                if tokenizer is None or args.model.model != "default_model" or args.model.adapter is not None:
+                    raise LookupError("not the served model: the server decides")
+                return server.ResponseGenerator._tokenize(self, tokenizer, request, args)
+
+            return admission.next_admitted(lambda wait: super(AdmittingResponseGenerator, self)._next_request(wait),
+                                           tokenize, timeout)
+
+        def _tokenize(self, tokenizer, request, args):
+            done = admission.tokenized(request)
+            if done is None:
+                return super()._tokenize(tokenizer, request, args)
+            prompt, segments, segment_types, initial_state, vision = done
+            # the server edits segments in place: hand it fresh lists
+            return list(prompt), [list(s) for s in segments], list(segment_types), initial_state, vision
+
+    return AdmittingResponseGenerator
+
+
+def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
+    """mlx-lm's ``BatchGenerator`` (``base``) that tells admission its rows, their ends, and its
+    real bytes."""
+
+    class MeasuredBatchGenerator(base):
+        def insert_segments(self, *args, **kwargs):
+            uids = super().insert_segments(*args, **kwargs)
+            admission.placed(uids)
+            return uids
+
+        def next(self):
+            prompt_responses, generation_responses = super().next()
+            admission.ended([r.uid for r in generation_responses if r.finish_reason is not None])
+            try:
+                admission.measure(self.prompt_cache_nbytes)
+            except Exception:  # noqa: BLE001 - a measure is advice; the projection still bounds the batch
+                logging.exception("kvstate: could not measure the batch")
+            return prompt_responses, generation_responses
+
+        def remove(self, uids, *args, **kwargs):
+            try:
+                return super().remove(uids, *args, **kwargs)
+            finally:
+                admission.ended(list(uids))
+
+        def close(self):
+            try:
+                return super().close()
+            finally:
+                admission.close()
+
+    return MeasuredBatchGenerator
