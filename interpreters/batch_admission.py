@@ -10,6 +10,11 @@ batch's real bytes (``prompt_cache_nbytes``, padding included) are measured
 into the service, so admission goes by the measure wherever it exceeds the
 projection, and the peaks are kept for ``/metrics``.
 
+Requests that arrive together and share a prefix nothing holds yet do not all
+compute it: while a row in prefill will publish state a waiting request could
+reuse (:func:`kvstate.core.sharing.shared_target`), that request waits for the
+publish, at most ``share_wait_s`` seconds.
+
 Two pieces of the server are subclassed, nothing else changes:
 :func:`admitting_generator` (a ``ResponseGenerator`` whose ``_next_request``
 admits) and :func:`measured_batch_generator` (a ``BatchGenerator`` that
@@ -19,15 +24,31 @@ reports its rows and bytes). Both run on the server's generation thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
+import attrs
+
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
+from kvstate.core.sharing import Computing, shared_target
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 
 #: The step in tokens by which mlx-lm's batch caches grow (``BatchKVCache.step``).
 CACHE_STEP = 256
+#: A wait for another request's publish must save at least this many prompt tokens.
+MIN_SHARED_TOKENS = 64
+
+
+@attrs.define
+class Arrival:
+    """A dequeued server request, the server's own tokenization of it (None: not ours to admit),
+    and until when it may wait for a shared prefix being computed."""
+
+    item: Any
+    tokenized: tuple | None
+    share_deadline: float | None = None
 
 
 class BatchAdmission:
@@ -36,16 +57,21 @@ class BatchAdmission:
     Everything but the peaks is touched on the server's generation thread only.
     """
 
-    def __init__(self, cache: KvStatePromptCache):
+    def __init__(self, cache: KvStatePromptCache, share_wait_s: float = 5.0,
+                 min_shared_tokens: int = MIN_SHARED_TOKENS):
         self.cache = cache
         self.service = cache.service
-        self._waiting: deque = deque()            # dequeued server requests the budget has no room for yet
+        self.share_wait_s = share_wait_s
+        self.min_shared_tokens = min_shared_tokens
+        self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
+        self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
         self._unplaced: Request | None = None     # admitted, not yet a batch row (or served unbatched)
         self._tokenized: tuple[int, tuple] | None = None  # (id of the server request, its tokenization)
         self._rows: dict[int, Request] = {}       # batch uid -> its lease
         self.peak_batch_bytes = 0
         self.peak_held_bytes = 0
         self.waited = 0
+        self.shared_waits = 0
 
     # ------------------------------------------------------------ the response generator's side
 
@@ -60,21 +86,37 @@ class BatchAdmission:
                 self._waiting.append(self._arrival(arrived, tokenize))
             if not self._waiting:
                 return None
-            item, tokenized = self._waiting[0]
-            verdict = self._admit(item, tokenized)
+            head = self._waiting[0]
+            if self._waits_for_shared_prefix(head):
+                return None
+            verdict = self._admit(head.item, head.tokenized)
             if verdict is WAIT:
                 return None
             self._waiting.popleft()
             if verdict is ADMITTED:
-                return item
+                return head.item
             # REFUSED: the client has its answer; look at the next one
 
     @staticmethod
-    def _arrival(item: Any, tokenize: Any) -> tuple[Any, tuple | None]:
+    def _arrival(item: Any, tokenize: Any) -> Arrival:
         try:
-            return item, tokenize(item)
+            return Arrival(item, tokenize(item))
         except Exception:  # noqa: BLE001 - not ours to admit: the server tokenizes and answers itself
-            return item, None
+            return Arrival(item, None)
+
+    def _waits_for_shared_prefix(self, arrival: Arrival) -> bool:
+        """Whether a row in prefill will soon publish enough of this prompt to be worth a wait."""
+        if arrival.tokenized is None or not self._computing or self.share_wait_s <= 0:
+            return False
+        prompt = tuple(arrival.tokenized[0])
+        reusable = self.service.peek_prefix_len(prompt, self.cache.namespace)
+        if not shared_target(prompt, reusable, self._computing.values(), self.min_shared_tokens):
+            return False
+        now = time.monotonic()
+        if arrival.share_deadline is None:
+            arrival.share_deadline = now + self.share_wait_s
+            self.shared_waits += 1
+        return now < arrival.share_deadline
 
     def _admit(self, item: Any, tokenized: tuple | None) -> object:
         if tokenized is None:
@@ -114,8 +156,13 @@ class BatchAdmission:
 
     # ------------------------------------------------------------ the batch generator's side
 
-    def placed(self, uids: list[int]) -> None:
+    def placed(self, uids: list[int], segments: Any = None, cached: Any = None) -> None:
+        """Rows ``uids`` joined the batch, with their prompt ``segments`` left to compute after the
+        ``cached`` tokens (``insert_segments``' arguments)."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        if segments is not None and len(uids) == len(segments):
+            for uid, parts, done in zip(uids, segments, cached or [[]] * len(uids)):
+                self._computing[uid] = self._row(parts, done)
         if lease is None:
             return
         self.cache.unexpect(lease)
@@ -124,8 +171,34 @@ class BatchAdmission:
         else:
             self.service.release(lease)
 
+    def _row(self, parts: Any, cached: Any) -> Computing:
+        """A row in prefill as the batch runs it: its caches are published at the end of each
+        segment but the last, and one token before the prompt's end (the last token is sampled from)."""
+        parts = [list(part) for part in parts if len(part)]
+        prompt = tuple(cached) + tuple(token for part in parts for token in part)
+        boundaries, position = [], len(cached)
+        for part in parts[:-1]:
+            position += len(part)
+            boundaries.append(position)
+        if parts and len(parts[-1]) > 1:
+            boundaries.append(len(prompt) - 1)
+        return Computing(prompt, tuple(boundaries), len(cached), self.service.config.model.trimmable_at(len(prompt)))
+
+    def progressed(self, prompt_responses: Any) -> None:
+        """How far each row's prefill has got; a row whose prompt is done computes nothing shared."""
+        for response in prompt_responses:
+            row = self._computing.get(response.uid)
+            if row is None:
+                continue
+            if response.end_of_prompt:
+                del self._computing[response.uid]
+            else:
+                start = len(row.prompt) - response.progress[1]
+                self._computing[response.uid] = attrs.evolve(row, position=start + response.progress[0])
+
     def ended(self, uids: Any) -> None:
         for uid in uids:
+            self._computing.pop(uid, None)
             lease = self._rows.pop(uid, None)
             if lease is not None:
                 self.service.release(lease)
@@ -175,13 +248,14 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
     real bytes."""
 
     class MeasuredBatchGenerator(base):
-        def insert_segments(self, *args, **kwargs):
-            uids = super().insert_segments(*args, **kwargs)
-            admission.placed(uids)
+        def insert_segments(self, segments, *args, **kwargs):
+            uids = super().insert_segments(segments, *args, **kwargs)
+            admission.placed(uids, segments, kwargs.get("all_tokens"))
             return uids
 
         def next(self):
             prompt_responses, generation_responses = super().next()
+            admission.progressed(prompt_responses)
             admission.ended([r.uid for r in generation_responses if r.finish_reason is not None])
             try:
                 admission.measure(self.prompt_cache_nbytes)

@@ -143,6 +143,8 @@ class ReportCollector:
                                     "together after a step", value=self.admission.peak_held_bytes)
             yield CounterMetricFamily("kvstate_batch_waits", "requests that waited for room in the KV budget "
                                       "before joining the batch", value=self.admission.waited)
+            yield CounterMetricFamily("kvstate_shared_prefix_waits", "requests that waited for a prefix another "
+                                      "request was computing", value=self.admission.shared_waits)
 
 
 def metrics_text(service: KvCacheService, admission: BatchAdmission | None = None) -> bytes:
@@ -240,6 +242,9 @@ def kvstate_options() -> argparse.ArgumentParser:
     parser.add_argument("--disk-bytes", type=parse_bytes, default=None,
                         help="byte budget of the disk tier, the bytes its files take (needed with --disk-dir)")
     parser.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
+    parser.add_argument("--shared-prefix-wait", type=float, default=5.0, metavar="SECONDS",
+                        help="a request that shares a prefix with one in prefill waits up to this long for its "
+                             "publish instead of computing the prefix again (0: never wait; default 5)")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     return parser
 
@@ -282,7 +287,7 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         report = cache.service.report()
         logging.info("kvstate: %d saved prefixes found on disk, %d files rejected", report.saved_entries,
                      report.rejected_files)
-        admission = BatchAdmission(cache)
+        admission = BatchAdmission(cache, share_wait_s=options.shared_prefix_wait)
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
@@ -316,6 +321,10 @@ def main(argv: Sequence[str]) -> int:
         server_argv = ["--help"]
     if (options.disk_dir is None) != (options.disk_bytes is None):
         print("kvstate serve: --disk-dir and --disk-bytes go together (where saved state lives, and its budget)",
+              file=sys.stderr)
+        return 2
+    if not options.shared_prefix_wait >= 0:
+        print(f"kvstate serve: --shared-prefix-wait is seconds, 0 or more; got {options.shared_prefix_wait}",
               file=sys.stderr)
         return 2
     try:

@@ -293,12 +293,14 @@ def test_a_restart_on_changed_weights_restores_nothing_of_the_old_model(tmp_path
 
 
 def _batch_load(server: Server, eos: int) -> list[int]:
-    """Eight clients at once, prompts of different lengths, each generating 200 tokens (no EOS)."""
+    """Eight clients at once, prompts of different lengths, each generating 300 tokens (no EOS)."""
     results: list[int] = []
+    start = threading.Barrier(8)
 
     def client(i: int) -> None:
         words = "the quick brown fox jumps over the lazy dog " * (1 + 5 * i)
-        reply = chat(server, [{"role": "user", "content": words}], max_tokens=200, logit_bias={str(eos): -100})
+        start.wait()
+        reply = chat(server, [{"role": "user", "content": words}], max_tokens=300, logit_bias={str(eos): -100})
         results.append(reply.usage.completion_tokens)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
@@ -317,13 +319,13 @@ def test_the_running_batch_never_holds_more_than_the_kv_budget(model_dir, tmp_pa
     budget = 3 * 512 * 512  # three rows of 512 tokens of this llama (512 bytes of KV a token)
     unbounded = Server(model_dir, "--ram-bytes", "64MiB")
     try:
-        assert _batch_load(unbounded, eos) == [200] * 8
+        assert _batch_load(unbounded, eos) == [300] * 8
         assert unbounded.metrics()["kvstate_batch_peak_bytes"] > budget  # without admission the batch overruns
     finally:
         unbounded.stop()
     bounded = Server(model_dir, "--ram-bytes", "64MiB", "--kv-budget-bytes", str(budget))
     try:
-        assert _batch_load(bounded, eos) == [200] * 8
+        assert _batch_load(bounded, eos) == [300] * 8
         metrics = bounded.metrics()
         assert metrics["kvstate_batch_waits_total"] > 0
         assert 0 < metrics["kvstate_batch_peak_bytes"] <= budget
@@ -332,3 +334,45 @@ def test_the_running_batch_never_holds_more_than_the_kv_budget(model_dir, tmp_pa
         assert metrics["kvstate_bytes"] <= budget
     finally:
         bounded.stop()
+
+
+def _burst(server: Server, n: int = 4) -> list[int]:
+    """``n`` requests at once sharing a long system prompt nothing holds yet: the cached tokens each
+    reports, in arrival order of the replies."""
+    shared = {"role": "system", "content": "You answer questions about the history of cartography. " * 30}
+    cached: list[int] = []
+
+    def client(i: int) -> None:
+        reply = chat(server, [shared, {"role": "user", "content": f"question {i}: who drew the map {i}?"}])
+        details = reply.usage.prompt_tokens_details
+        cached.append(details.cached_tokens if details is not None else 0)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return cached
+
+
+def test_requests_arriving_together_reuse_the_prefix_the_first_one_computes(model_dir):
+    """Without a wait, four requests that share a system prompt all compute it; with the wait, the
+    later ones reuse what the first one published at the end of its system segment."""
+    never = Server(model_dir, "--ram-bytes", "64MiB", "--shared-prefix-wait", "0")
+    try:
+        assert sum(_burst(never)) == 0
+    finally:
+        never.stop()
+    waiting = Server(model_dir, "--ram-bytes", "64MiB")
+    try:
+        cached = sorted(_burst(waiting))
+        assert cached[0] == 0 and all(tokens > 300 for tokens in cached[1:])
+        assert waiting.metrics()["kvstate_shared_prefix_waits_total"] >= 1
+    finally:
+        waiting.stop()
+
+
+def test_a_negative_shared_prefix_wait_is_refused(model_dir):
+    result = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model", str(model_dir),
+                             "--shared-prefix-wait", "-1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--shared-prefix-wait" in result.stderr and "Traceback" not in result.stderr

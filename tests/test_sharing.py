@@ -1,0 +1,57 @@
+"""``shared_target``: when a request should wait for a prefix another request is computing.
+
+The reference publishes, for every boundary still ahead of a row, the entry that row would keep
+(its prompt up to the boundary), and asks the naive reuse rule how much of the waiting prompt that
+entry serves.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given
+
+from kvstate.core.sharing import Computing, shared_target
+from tests.reference import usable
+
+prompts = st.lists(st.integers(0, 2), min_size=1, max_size=24).map(tuple)
+
+
+@st.composite
+def rows(draw):
+    prompt = draw(prompts)
+    boundaries = tuple(sorted(set(draw(st.lists(st.integers(1, len(prompt)), max_size=3)))))
+    return Computing(prompt, boundaries, draw(st.integers(0, len(prompt))), draw(st.booleans()))
+
+
+def naive_target(prompt, reusable, computing, min_gain):
+    best = 0
+    for row in computing:
+        for boundary in row.boundaries:
+            if boundary > row.position:
+                best = max(best, usable(row.prompt[:boundary], row.trimmable, prompt))
+    return best if best >= reusable + min_gain else 0
+
+
+@given(prompt=prompts, reusable=st.integers(0, 24), computing=st.lists(rows(), max_size=4),
+       min_gain=st.integers(1, 8))
+def test_the_target_is_what_a_publish_still_to_come_would_serve(prompt, reusable, computing, min_gain):
+    assert shared_target(prompt, reusable, computing, min_gain) == naive_target(prompt, reusable, computing, min_gain)
+
+
+def test_a_boundary_already_passed_is_no_reason_to_wait():
+    row = Computing((1, 2, 3, 4, 5, 6), (4,), 4, False)
+    assert shared_target((1, 2, 3, 4, 9, 9), 0, [row], 1) == 0
+    assert shared_target((1, 2, 3, 4, 9, 9), 0, [Computing(row.prompt, (4,), 3, False)], 1) == 4
+
+
+def test_a_gain_below_the_minimum_is_no_reason_to_wait():
+    row = Computing((1, 2, 3, 4, 5, 6), (4,), 0, False)
+    assert shared_target((1, 2, 3, 4, 9), 1, [row], 4) == 0
+    assert shared_target((1, 2, 3, 4, 9), 0, [row], 4) == 4
+
+
+def test_an_exact_state_as_long_as_the_prompt_serves_nothing():
+    """A non-trimmable state must leave the last prompt token to compute."""
+    row = Computing((1, 2, 3, 4, 5, 6), (4,), 0, False)
+    assert shared_target((1, 2, 3, 4), 0, [row], 1) == 0
+    assert shared_target((1, 2, 3, 4), 0, [Computing(row.prompt, (4,), 0, True)], 1) == 3
