@@ -341,8 +341,10 @@ def _burst(server: Server, n: int = 4) -> list[int]:
     reports, in arrival order of the replies."""
     shared = {"role": "system", "content": "You answer questions about the history of cartography. " * 30}
     cached: list[int] = []
+    start = threading.Barrier(n)
 
     def client(i: int) -> None:
+        start.wait()
         reply = chat(server, [shared, {"role": "user", "content": f"question {i}: who drew the map {i}?"}])
         details = reply.usage.prompt_tokens_details
         cached.append(details.cached_tokens if details is not None else 0)
