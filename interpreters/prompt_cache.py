@@ -13,7 +13,9 @@ whose caches serve only their exact length, reuses a shared system prompt.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
 from kvstate.core.admission import held_bound
@@ -63,6 +65,7 @@ class KvStatePromptCache:
         caller owns) and the tokens left to compute; ``(None, tokens)`` for a miss."""
         if model != self.model_key or not tokens:
             return None, tokens
+        started = time.perf_counter()
         key = tuple(tokens)
         admitted = self._expected.pop(key, None)
         request = admitted or Request(key, 1)
@@ -74,6 +77,8 @@ class KvStatePromptCache:
             if admitted is None:
                 self.service.release(request, completed=True)
         self.service.boundary()
+        logging.info("kvstate: fetch of %d tokens reused %d (%s) in %.1f ms", len(tokens), state.reused_tokens,
+                     state.source.name.lower(), 1e3 * (time.perf_counter() - started))
         if state.reused_tokens == 0:
             return None, tokens
         return state.caches, tokens[state.reused_tokens:]
@@ -83,6 +88,7 @@ class KvStatePromptCache:
         """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
         if model != self.model_key or not tokens or not prompt_cache:
             return
+        started = time.perf_counter()
         covered = mlx_caches.covered(prompt_cache)
         if covered is not None and covered != len(tokens):
             # At the end of a generation the last sampled token is not in the caches yet.
@@ -99,6 +105,8 @@ class KvStatePromptCache:
             with self._lock:
                 self._types[key] = cache_type if cache_type in CACHE_TYPES else "assistant"
         self.service.boundary()
+        logging.info("kvstate: %s state of %d tokens %s in %.1f ms", cache_type, len(key),
+                     "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Give RAM entries back (spilled first with a disk tier) until at most ``n_sequences`` and
