@@ -17,7 +17,7 @@ the projection misses, an allocator's slack), admission goes by the measure.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from kvstate.core.request import Request
 from kvstate.core.state import ServiceConfig, ServiceState
@@ -67,6 +67,13 @@ def charge_with(state: ServiceState, request: Request) -> int:
     if state.config.batch_padding_step is None:
         return state.projected_bytes + own_bytes(state, request)
     return charge(state, [*admitted_requests(state), request])
+
+
+def charge_without(state: ServiceState, released: Any, leases: Iterable) -> int:
+    """The projected bytes once the admitted lease ``released`` is gone and ``leases`` remain."""
+    if state.config.batch_padding_step is None:
+        return state.projected_bytes - released.admitted_bytes
+    return charge(state, [lease.request for lease in leases if lease.admitted])
 
 
 def has_room(state: ServiceState, projected: int) -> bool:

@@ -103,9 +103,7 @@ def release(state: ServiceState, e: ev.Release):
     d.leases = d.leases.delete(e.lease)
     if lease.admitted:
         before = state.projected_bytes
-        d.projected_bytes = (before - lease.admitted_bytes if state.config.batch_padding_step is None
-                             else admission.charge(state, [other.request for other in d.leases.values()
-                                                           if other.admitted]))
+        d.projected_bytes = admission.charge_without(state, lease, d.leases.values())
         # The measure is older than this release: take the released share off it too.
         d.measured_bytes = max(0, state.measured_bytes - (before - d.projected_bytes)) if d.projected_bytes else 0
     if lease.pending_handle is not None:

@@ -43,12 +43,15 @@ MIN_SHARED_TOKENS = 64
 
 @attrs.define
 class Arrival:
-    """A dequeued server request, the server's own tokenization of it (None: not ours to admit),
-    and until when it may wait for a shared prefix being computed."""
+    """A dequeued server request, the server's own tokenization of it (None: not ours to admit)
+    and its prompt as the service's key, until when it may wait for a shared prefix being computed,
+    and whether it has waited for room."""
 
     item: Any
     tokenized: tuple | None
+    prompt: tuple[int, ...] = ()
     share_deadline: float | None = None
+    waited_for_room: bool = False
 
 
 class BatchAdmission:
@@ -89,7 +92,7 @@ class BatchAdmission:
             head = self._waiting[0]
             if self._waits_for_shared_prefix(head):
                 return None
-            verdict = self._admit(head.item, head.tokenized)
+            verdict = self._admit(head)
             if verdict is WAIT:
                 return None
             self._waiting.popleft()
@@ -100,7 +103,8 @@ class BatchAdmission:
     @staticmethod
     def _arrival(item: Any, tokenize: Any) -> Arrival:
         try:
-            return Arrival(item, tokenize(item))
+            tokenized = tokenize(item)
+            return Arrival(item, tokenized, tuple(tokenized[0]))
         except Exception:  # noqa: BLE001 - not ours to admit: the server tokenizes and answers itself
             return Arrival(item, None)
 
@@ -108,7 +112,7 @@ class BatchAdmission:
         """Whether a row in prefill will soon publish enough of this prompt to be worth a wait."""
         if arrival.tokenized is None or not self._computing or self.share_wait_s <= 0:
             return False
-        prompt = tuple(arrival.tokenized[0])
+        prompt = arrival.prompt
         reusable = self.service.peek_prefix_len(prompt, self.cache.namespace)
         if not shared_target(prompt, reusable, self._computing.values(), self.min_shared_tokens):
             return False
@@ -118,28 +122,25 @@ class BatchAdmission:
             self.shared_waits += 1
         return now < arrival.share_deadline
 
-    def _admit(self, item: Any, tokenized: tuple | None) -> object:
-        if tokenized is None:
+    def _admit(self, arrival: Arrival) -> object:
+        if arrival.tokenized is None:
             return ADMITTED
-        rqueue, request, args = item
-        lease = Request(tuple(tokenized[0]), args.max_tokens)
+        rqueue, request, args = arrival.item
+        lease = Request(arrival.prompt, args.max_tokens)
         try:
             admitted = self.service.admit(lease)
         except KvStateError as error:  # can never run (the handler's check did not see it): say why
             rqueue.put(error)
             return REFUSED
         if not admitted:
-            if item is not self._last_waited:
-                self._last_waited = item
+            if not arrival.waited_for_room:
+                arrival.waited_for_room = True
                 self.waited += 1
             return WAIT
-        self._last_waited = None
-        self._tokenized = (id(request), tokenized)
+        self._tokenized = (id(request), arrival.tokenized)
         self._unplaced = lease
         self.cache.expect(lease)
         return ADMITTED
-
-    _last_waited: Any = None
 
     def tokenized(self, request: Any) -> tuple | None:
         """The tokenization admission made of ``request`` (the server's own), or None."""
