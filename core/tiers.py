@@ -285,7 +285,9 @@ def tick(d: Draft, now: float) -> list:
     for entry in list(d.entries.values()):
         if entry.last_used > d.now - after:
             continue
-        current = d.entries[entry.id]
+        current = d.entries.get(entry.id)
+        if current is None:
+            continue  # dropped while an earlier entry was given back (its disk room went to that spill)
         if current.residence is R.SPILLING:
             d.set_entry(attrs.evolve(current, demote=True))
         elif current.residence in (R.RAM, R.BOTH):
