@@ -12,6 +12,7 @@ from kvstate.core.policies import POLICIES
 from kvstate.interpreters import sizes
 from kvstate.models.catalogue import CATALOGUE
 
+
 def parse_bytes(text: str) -> int:
     """A size argument: ``'384GiB'``, ``'2T'``, ``'500MB'`` or a plain number of bytes."""
     try:
@@ -37,40 +38,41 @@ def _version() -> str:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from kvstate.interpreters.replay import read_mooncake, replay
-    from kvstate.interpreters.service import KvCacheService
+    from kvstate.interpreters.lab import traces
+    from kvstate.interpreters.replay import replay, replay_service
+    from kvstate.interpreters.simulator import CostModel
     from kvstate.interpreters.traces import bundled
-
-    from kvstate.interpreters.replay import TraceFormatError
 
     path = args.trace or str(bundled())
     if args.trace is None:
         print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
     try:
-        requests = list(read_mooncake(path))
-    except (OSError, TraceFormatError, UnicodeDecodeError) as error:
+        trace = traces.read(path)
+    except (OSError, traces.TraceFormatError, UnicodeDecodeError) as error:
         print(f"kvstate replay: cannot read the trace: {error}", file=sys.stderr)
         return 2
-    if not requests:
+    if not trace.requests:
         print(f"kvstate replay: {path} holds no requests", file=sys.stderr)
         return 2
-    service = KvCacheService.simulated(args.model, ram_bytes=args.ram, disk_bytes=args.disk,
-                                       kv_budget_bytes=args.budget, policy=args.policy)
+    service = replay_service(args.model, ram_bytes=args.ram, disk_bytes=args.disk, kv_budget_bytes=args.budget,
+                             policy=args.policy)
 
     def progress(done: int) -> None:
         if done % 1000 == 0:
             print(f"  ... {done} requests", file=sys.stderr, flush=True)
 
-    result = replay(iter(requests), service, limit=args.limit, progress=progress)
+    result = replay(trace.requests, service, limit=args.limit, progress=progress)
     service.close()
+    cost = CostModel()
     print(f"model {args.model}, policy {args.policy}, RAM {args.ram / (1 << 30):.1f} GiB"
           + (f", disk {args.disk / (1 << 30):.1f} GiB" if args.disk is not None else ", no disk tier"))
     print(f"requests            {result.requests} ({result.refused} refused)")
     print(f"request hit rate    {result.request_hit_rate:.4f}")
     print(f"token hit ratio     {result.token_hit_ratio:.4f}  ({result.reused_tokens} of {result.prompt_tokens} "
           f"prompt tokens reused)")
-    print(f"prefill seconds     {result.prefill_seconds:.1f} estimated, {result.prefill_seconds_saved:.1f} saved")
-    print(f"replay speed        {result.requests / result.wall_seconds:.0f} requests/s through the service")
+    print(f"prefill seconds     {result.prefill_seconds(cost):.1f} estimated, "
+          f"{result.prefill_seconds_saved(cost):.1f} saved")
+    print(f"replay speed        {result.requests / result.seconds:.0f} requests/s through the service")
     print("report:")
     for field in attrs.fields(type(result.report)):
         print(f"  {field.name:24} {getattr(result.report, field.name)}")
@@ -82,7 +84,6 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvstate.interpreters.lab import traces
     from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
     from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, unbounded
-    from kvstate.interpreters.replay import TraceFormatError
     from kvstate.interpreters.traces import bundled
     from kvstate.models.catalogue import model_spec
 
@@ -93,7 +94,7 @@ def _simulate(args: argparse.Namespace) -> int:
         path = args.trace or str(bundled())
         try:
             trace = traces.read(path)
-        except (OSError, TraceFormatError, UnicodeDecodeError) as error:
+        except (OSError, traces.TraceFormatError, UnicodeDecodeError) as error:
             print(f"kvstate simulate: cannot read the trace: {error}", file=sys.stderr)
             return 2
         if args.trace is None:
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake JSONL trace through the service facade on the simulator interpreter: "
                     "every request is admitted, acquires its longest reusable prefix, prefills the rest, "
                     "publishes its prompt state and is released.")
-    replay.add_argument("trace", nargs="?", help="Mooncake JSONL trace (default: the bundled conversation trace)")
+    replay.add_argument("trace", nargs="?",
+                        help="Mooncake or kvstate JSONL trace (default: the bundled conversation trace)")
     replay.add_argument("--model", default="llama-3.1-8b", choices=sorted(CATALOGUE),
                         help="model geometry for bytes (default llama-3.1-8b)")
     replay.add_argument("--ram", type=parse_bytes, default=parse_bytes("384GiB"),

@@ -1,130 +1,119 @@
-"""Replay a request trace through the service facade on the simulator.
+"""Replay a trace through the service on the simulator: the production decisions, one request at a time.
 
-Each trace request runs as a scheduler would run it: tick the clock to its
-arrival, admit, acquire, prefill what was not reused (charged to the
-simulator's cost model), publish the prompt's state, release. The figures
-come from the service's own report, so they are the production decisions'.
+This is the one replay through the service: ``kvstate replay`` prints it and
+the lab's whole-prefix granularity sweeps it. Each request runs as a
+scheduler would run it: the clock ticks to its arrival, it is admitted under
+the KV budget (where one is set), acquires the longest kept prefix, extends
+the caches over the blocks it did not reuse, publishes the prompt's state
+and releases. The figures come from what the service replied.
 
-Traces are Mooncake JSONL (``timestamp`` ms, ``input_length``,
-``output_length``, ``hash_ids`` of chained 512-token blocks). A block id
-stands for the block and everything before it, so block ``b`` becomes tokens
-``b*512 .. b*512+511``: two prompts share a token prefix exactly when they
-share leading blocks.
+Positions are 512-token blocks (``ModelSpec.per_block``): a trace names its
+prompts by chained block ids, so two prompts share a prefix exactly when
+they share leading ids. One extra position per prompt, unique to it, stands
+for the token the model must compute, so a full match still leaves work.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterable
 
 import attrs
 
 from kvstate.core.errors import ContextLimitExceeded, OverBudget
 from kvstate.core.report import Report
 from kvstate.core.request import Request
+from kvstate.interpreters.lab.traces import BLOCK_TOKENS, TraceRequest
 from kvstate.interpreters.service import KvCacheService
+from kvstate.interpreters.simulator import CostModel
+from kvstate.models.catalogue import model_spec
+from kvstate.models.spec import ModelSpec
 
-BLOCK_TOKENS = 512
-
-
-class TraceFormatError(ValueError):
-    """A trace line that is not a Mooncake request record."""
-
-
-@attrs.frozen
-class TraceRequest:
-    """One request of a Mooncake trace."""
-
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-    def prompt(self) -> tuple[int, ...]:
-        """Token ids standing for the prompt: 512 per block, the last block cut to the input length."""
-        blocks = (range(b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS) for b in self.hash_ids)
-        return tuple(itertools.islice(itertools.chain.from_iterable(blocks), self.input_length))
-
-
-def trace_records(path: str | Path, kind: str, read: Callable[[dict], Any]) -> Iterator[tuple[int, Any]]:
-    """``(line number, read(record))`` for every JSON line of ``path``; a bad line names itself."""
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                yield number, read(json.loads(line))
-            except (ValueError, KeyError, TypeError) as error:
-                raise TraceFormatError(f"{path}:{number}: not a {kind} record ({error})") from None
-
-
-def read_mooncake(path: str | Path) -> Iterator[TraceRequest]:
-    """The requests of a Mooncake JSONL trace, in file order."""
-    def request_of(record: dict) -> TraceRequest:
-        return TraceRequest(int(record["timestamp"]), int(record["input_length"]), int(record["output_length"]),
-                            tuple(int(h) for h in record["hash_ids"]))
-    for number, request in trace_records(path, "Mooncake request", request_of):
-        if request.input_length < 1 or not request.hash_ids:
-            raise TraceFormatError(f"{path}:{number}: a request needs input_length >= 1 and hash_ids")
-        yield request
+#: Where the per-prompt positions start: far above any block id a trace holds.
+SENTINEL = 1 << 60
 
 
 @attrs.frozen
-class ReplayResult:
-    """What a replay did, from the service's report and the simulator's cost model."""
+class Outcome:
+    """What one replay measured (lengths in tokens, accesses in blocks)."""
 
     requests: int
-    refused: int
+    hit_requests: int
     prompt_tokens: int
     reused_tokens: int
-    hit_requests: int
-    prefill_seconds: float
-    prefill_seconds_saved: float
-    wall_seconds: float
-    report: Report
+    block_accesses: int
+    block_hits: int
+    disk_bytes_written: int
+    disk_bytes_read: int
+    seconds: float
+    refused: int = 0
+    report: Report | None = attrs.field(default=None, eq=False)
+
+    @property
+    def request_hit_rate(self) -> float:
+        return self.hit_requests / self.requests if self.requests else 0.0
 
     @property
     def token_hit_ratio(self) -> float:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def request_hit_rate(self) -> float:
-        return self.hit_requests / self.requests if self.requests else 0.0
+    def block_hit_ratio(self) -> float:
+        return self.block_hits / self.block_accesses if self.block_accesses else 0.0
+
+    def prefill_seconds(self, cost: CostModel) -> float:
+        """Seconds the cost model gives the prompt tokens reuse did not cover."""
+        return (self.prompt_tokens - self.reused_tokens) / cost.prefill_tokens_per_second
+
+    def prefill_seconds_saved(self, cost: CostModel) -> float:
+        return (self.reused_tokens / cost.prefill_tokens_per_second
+                - self.disk_bytes_read / cost.restore_bytes_per_second)
 
 
-def replay(requests: Iterator[TraceRequest], service: KvCacheService, *, namespace: str = "default",
-           limit: int | None = None, progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Run ``requests`` (at most ``limit``) through ``service``, whose interpreter must be the simulator."""
-    simulator = service.interpreter
-    rate = simulator.cost.prefill_tokens_per_second
+def replay_service(model: str | ModelSpec, *, refuse_past_context: bool = True, **options) -> KvCacheService:
+    """A simulated service over ``model`` counted in 512-token blocks (``options`` as ``simulated`` takes).
+
+    ``refuse_past_context=False`` drops the context limit: a recorded trace's
+    requests already ran, so a sweep of cache decisions refuses none for its length.
+    """
+    spec = (model_spec(model) if isinstance(model, str) else model).per_block(BLOCK_TOKENS)
+    if not refuse_past_context:
+        spec = attrs.evolve(spec, context_limit=None)
+    return KvCacheService.simulated(spec, **options)
+
+
+def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: int | None = None,
+           progress: Callable[[int], None] | None = None) -> Outcome:
+    """Run ``requests`` (at most ``limit``) through ``service``, built by :func:`replay_service`."""
     started = time.perf_counter()
-    count = refused = prompt_tokens = reused = hits = 0
-    for record in itertools.islice(requests, limit):
-        service.tick(record.timestamp_ms / 1000)
-        prompt = record.prompt()
-        request = Request(prompt, max_tokens=max(1, record.output_length))
-        try:
-            if not service.admit(request):
-                refused += 1  # sequential replay releases every request, so only a smaller budget waits
-                service.release(request)
+    may_refuse = service.config.kv_budget_bytes is not None or service.config.model.context_limit is not None
+    count = refused = hit_requests = reused = prompt = accesses = block_hits = 0
+    for number, request in enumerate(itertools.islice(requests, limit)):
+        service.tick(request.arrival)
+        lease = Request(request.blocks + (SENTINEL + number,), max(1, -(-request.output_length // BLOCK_TOKENS)))
+        if may_refuse:
+            try:
+                if not service.admit(lease):
+                    refused += 1  # one request at a time releases each, so only a smaller budget waits
+                    service.release(lease)
+                    continue
+            except (ContextLimitExceeded, OverBudget):
+                refused += 1
                 continue
-        except (ContextLimitExceeded, OverBudget):
-            refused += 1
-            continue
-        state = service.acquire(request, namespace)
-        caches = simulator.prefill(state.caches, prompt[state.reused_tokens:])
-        if service.keeps(request):
-            service.publish(request, namespace, prompt, caches)
-        service.release(request, completed=True)
-        service.boundary()
+        state = service.acquire(lease, request.namespace)
+        if service.keeps(lease):
+            caches = state.caches.extended(request.blocks[state.reused_tokens:])
+            service.publish(lease, request.namespace, request.blocks, caches)
+        service.release(lease)
         count += 1
-        prompt_tokens += len(prompt)
-        reused += state.reused_tokens
-        hits += state.reused_tokens > 0
+        hit_requests += state.reused_tokens > 0
+        reused += min(state.reused_tokens * BLOCK_TOKENS, request.input_length)
+        prompt += request.input_length
+        accesses += len(request.blocks)
+        block_hits += state.reused_tokens
         if progress is not None:
             progress(count)
-    return ReplayResult(count, refused, prompt_tokens, reused, hits, simulator.stats.prefill_seconds,
-                        reused / rate, time.perf_counter() - started, service.report())
+    stats = service.interpreter.stats
+    return Outcome(count, hit_requests, prompt, reused, accesses, block_hits, stats.bytes_written,
+                   stats.bytes_read, time.perf_counter() - started, refused, service.report())

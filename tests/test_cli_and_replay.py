@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from kvstate import KvCacheService, model_spec
 from kvstate.interpreters.cli import parse_bytes
-from kvstate.interpreters.replay import BLOCK_TOKENS, TraceFormatError, TraceRequest, read_mooncake, replay
+from kvstate.interpreters.lab.traces import BLOCK_TOKENS, TraceFormatError, mooncake
+from kvstate.interpreters.replay import replay, replay_service
 from kvstate.interpreters.traces import bundled
 
 
@@ -29,43 +29,46 @@ def test_sizes():
     assert parse_bytes("2T") == 2 << 40 and parse_bytes("500MB") == 500 * 10**6 and parse_bytes("17") == 17
 
 
-def test_blocks_become_shared_token_prefixes():
-    a = TraceRequest(0, 1100, 5, (7, 8, 9))
-    b = TraceRequest(0, 600, 5, (7, 10))
-    assert len(a.prompt()) == 1100 and len(b.prompt()) == 600
-    assert a.prompt()[:BLOCK_TOKENS] == b.prompt()[:BLOCK_TOKENS]
-    assert a.prompt()[BLOCK_TOKENS] != b.prompt()[BLOCK_TOKENS]
-
-
 def test_malformed_trace_lines_name_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1]}) + "\n"
                     + '{"timestamp": 1}\n')
     with pytest.raises(TraceFormatError, match="bad.jsonl:2"):
-        list(read_mooncake(path))
+        mooncake(path)
 
 
 def test_unbounded_replay_reuses_every_shared_leading_block():
-    """With room for everything, each request reuses exactly the leading blocks seen before (less one token)."""
-    spec = model_spec("llama-3.2-1b")
-    requests = list(read_mooncake(bundled()))[:300]
-    service = KvCacheService.simulated(spec, ram_bytes=1 << 60)
-    result = replay(iter(requests), service)
-    expected, seen = 0, []
+    """With room for everything, each request reuses exactly the leading blocks a request before it had."""
+    requests = mooncake(bundled()).requests[:300]
+    result = replay(requests, replay_service("llama-3.2-1b", ram_bytes=1 << 60))
+    expected_blocks = expected_tokens = 0
+    seen: list[tuple[int, ...]] = []
     for request in requests:
-        prompt = request.prompt()
         best = 0
         for earlier in seen:
             n = 0
-            for x, y in zip(earlier, prompt):
+            for x, y in zip(earlier, request.blocks):
                 if x != y:
                     break
                 n += 1
             best = max(best, n)
-        expected += min(best, len(prompt) - 1)
-        seen.append(prompt)
-    assert result.reused_tokens == expected
+        expected_blocks += best
+        expected_tokens += min(best * BLOCK_TOKENS, request.input_length)
+        seen.append(request.blocks)
+    assert result.block_hits == expected_blocks and result.reused_tokens == expected_tokens
     assert result.requests == 300 and result.report.live_requests == 0 and result.report.projected_bytes == 0
+
+
+def test_a_kv_budget_refuses_what_can_never_fit_and_counts_it():
+    """Under a budget smaller than some requests' projection, those are refused, the rest replay."""
+    requests = mooncake(bundled()).requests[:200]
+    spec = replay_service("llama-3.2-1b", ram_bytes=1 << 60).config.model
+    budget = spec.bytes_for(8)  # eight 512-token blocks
+    result = replay(requests, replay_service("llama-3.2-1b", ram_bytes=1 << 60, kv_budget_bytes=budget))
+    too_long = sum(1 for r in requests if len(r.blocks) + 1 + -(-r.output_length // BLOCK_TOKENS) > 8)
+    assert 0 < too_long < len(requests)
+    assert result.refused == too_long and result.requests == len(requests) - too_long
+    assert result.report.live_requests == 0
 
 
 def test_main_job_runs_on_the_bundled_trace():

@@ -86,7 +86,7 @@ def naive_sieve_hits(capacity: int, accesses: list[int]) -> int:
 
 
 def as_trace(accesses: list[int]) -> traces.Trace:
-    return traces.Trace("test", tuple(traces.LabRequest(0.0, 512, 1, (b,)) for b in accesses))
+    return traces.Trace("test", tuple(traces.TraceRequest(0.0, 512, 1, (b,)) for b in accesses))
 
 
 block_sequences = st.lists(st.integers(0, 30), min_size=1, max_size=300)

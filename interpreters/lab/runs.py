@@ -2,10 +2,9 @@
 
 Block granularity keeps fixed 512-token blocks, as paged engines do, in the
 lab's block caches; a request's prompt accesses its blocks in order. Prefix
-granularity runs every request through the service itself (the core's
-transitions on the simulator), which keeps whole prefixes as the MLX
-interpreter does; positions are 512-token blocks, and one extra position
-per prompt stands for the token the model must compute.
+granularity is ``kvstate replay``'s own replay (``interpreters/replay.py``):
+every request runs through the service itself, the core's transitions on the
+simulator, which keeps whole prefixes as the MLX interpreter does.
 
 Both report the same figures: the share of requests that reused anything,
 prompt tokens covered by the reused leading run over all prompt tokens, block
@@ -18,54 +17,18 @@ from __future__ import annotations
 
 import time
 
-import attrs
-
 from kvstate.core.policies import POLICIES
 from kvstate.interpreters.lab.blocks import BLOCK_POLICIES, LRUBlocks, BeladyBlocks, next_uses
-from kvstate.interpreters.lab.traces import Trace
-from kvstate.interpreters.replay import BLOCK_TOKENS
-from kvstate.interpreters.simulator import CostModel
+from kvstate.interpreters.lab.traces import BLOCK_TOKENS, Trace
+from kvstate.interpreters.replay import Outcome, replay, replay_service
 from kvstate.models.spec import ModelSpec
 
-#: Policies the service itself can run (prefix granularity); the others need the whole trace or are lab-only.
 #: The service's own policies: whatever the core registers (a new policy is one file and one line there).
 PREFIX_POLICIES = tuple(POLICIES)
-SENTINEL = 1 << 60
 
 
 class PolicyNotAtGranularity(ValueError):
     """A policy that one granularity does not have (Belady and ARC are block-granularity only)."""
-
-
-@attrs.frozen
-class Outcome:
-    """What one replay measured."""
-
-    requests: int
-    hit_requests: int
-    prompt_tokens: int
-    reused_tokens: int
-    block_accesses: int
-    block_hits: int
-    disk_bytes_written: int
-    disk_bytes_read: int
-    seconds: float
-
-    @property
-    def request_hit_rate(self) -> float:
-        return self.hit_requests / self.requests if self.requests else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def block_hit_ratio(self) -> float:
-        return self.block_hits / self.block_accesses if self.block_accesses else 0.0
-
-    def prefill_seconds_saved(self, cost: CostModel) -> float:
-        return (self.reused_tokens / cost.prefill_tokens_per_second
-                - self.disk_bytes_read / cost.restore_bytes_per_second)
 
 
 def block_bytes(model: ModelSpec) -> int:
@@ -165,31 +128,11 @@ def _run_ram_only(trace: Trace, cache, started: float) -> Outcome:
 
 def run_prefixes(trace: Trace, policy: str, ram_bytes: int, disk_bytes: int | None, model: ModelSpec) -> Outcome:
     """Replay ``trace`` through the service (core transitions, simulator) keeping whole prefixes."""
-    from kvstate.core.request import Request
-    from kvstate.interpreters.service import KvCacheService
-
     if policy not in PREFIX_POLICIES:
         raise PolicyNotAtGranularity(f"{policy!r} runs at block granularity only; the service's policies are: "
                                      f"{', '.join(PREFIX_POLICIES)}")
-    started = time.perf_counter()
     # The trace's requests already ran (some past this model's context): the lab replays its cache
     # decisions, so no request is refused for its length.
-    spec = attrs.evolve(model.per_block(BLOCK_TOKENS), context_limit=None)
-    service = KvCacheService.simulated(spec, ram_bytes=ram_bytes, disk_bytes=disk_bytes, policy=policy)
-    hit_requests = reused = prompt = accesses = block_hits = 0
-    for number, request in enumerate(trace.requests):
-        positions = request.blocks + (SENTINEL + number,)
-        lease = Request(positions, 1)
-        state = service.acquire(lease, request.namespace)
-        caches = state.caches.extended(request.blocks[state.reused_tokens:])
-        if service.keeps(lease):
-            service.publish(lease, request.namespace, request.blocks, caches)
-        service.release(lease)
-        hit_requests += state.reused_tokens > 0
-        reused += min(state.reused_tokens * BLOCK_TOKENS, request.input_length)
-        prompt += request.input_length
-        accesses += len(request.blocks)
-        block_hits += state.reused_tokens
-    stats = service.interpreter.stats
-    return Outcome(len(trace.requests), hit_requests, prompt, reused, accesses, block_hits, stats.bytes_written,
-                   stats.bytes_read, time.perf_counter() - started)
+    service = replay_service(model, refuse_past_context=False, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
+                             policy=policy)
+    return replay(trace.requests, service)

@@ -11,11 +11,9 @@ from typing import Sequence
 import attrs
 from tqdm import tqdm
 
-from kvstate.interpreters.lab.runs import (
-    Outcome, block_bytes, run_blocks, run_prefixes,
-)
-from kvstate.interpreters.lab.traces import Trace
-from kvstate.interpreters.replay import BLOCK_TOKENS
+from kvstate.interpreters.lab.runs import block_bytes, run_blocks, run_prefixes
+from kvstate.interpreters.lab.traces import BLOCK_TOKENS, Trace
+from kvstate.interpreters.replay import Outcome
 from kvstate.interpreters.simulator import CostModel
 from kvstate.interpreters.sizes import BYTE_UNITS, COUNT_LETTERS, BadQuantity, split_quantity
 from kvstate.models.spec import ModelSpec

@@ -1,4 +1,4 @@
-"""Request traces for the eviction lab, all in one shape: chained 512-token block ids per prompt.
+"""Request traces, all in one shape: chained 512-token block ids per prompt.
 
 Three sources: Mooncake JSONL (the bundled traces), kvstate's own JSONL
 (session, namespace, prompt tokens or block ids, output length, arrival), and
@@ -13,16 +13,33 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 
-from kvstate.interpreters.replay import BLOCK_TOKENS, TraceFormatError, read_mooncake, trace_records
+#: Tokens per block: a Mooncake ``hash_ids`` entry stands for one block of this many prompt tokens.
+BLOCK_TOKENS = 512
+
+
+class TraceFormatError(ValueError):
+    """A trace line that is not a request record of the trace's format."""
+
+
+def trace_records(path: str | Path, kind: str, read: Callable[[dict], Any]) -> Iterator[tuple[int, Any]]:
+    """``(line number, read(record))`` for every JSON line of ``path``; a bad line names itself."""
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, read(json.loads(line))
+            except (ValueError, KeyError, TypeError) as error:
+                raise TraceFormatError(f"{path}:{number}: not a {kind} record ({error})") from None
 
 
 @attrs.frozen
-class LabRequest:
-    """One request as the lab replays it."""
+class TraceRequest:
+    """One request of a trace: its arrival (s), lengths in tokens, and chained block ids."""
 
     arrival: float
     input_length: int
@@ -37,7 +54,7 @@ class Trace:
     """Requests in arrival order, and where they came from."""
 
     name: str
-    requests: tuple[LabRequest, ...]
+    requests: tuple[TraceRequest, ...]
 
     @property
     def block_accesses(self) -> int:
@@ -67,10 +84,16 @@ class BlockChainer:
 
 
 def mooncake(path: str | Path) -> Trace:
-    """A Mooncake FAST'25 trace (``timestamp`` ms, ``hash_ids`` already chained)."""
-    requests = tuple(LabRequest(r.timestamp_ms / 1000, r.input_length, r.output_length, r.hash_ids)
-                     for r in read_mooncake(path))
-    return Trace(Path(path).name, requests)
+    """A Mooncake FAST'25 trace (``timestamp`` ms, ``hash_ids`` already chained), in file order."""
+    def request_of(record: dict) -> TraceRequest:
+        return TraceRequest(int(record["timestamp"]) / 1000, int(record["input_length"]),
+                            int(record["output_length"]), tuple(int(h) for h in record["hash_ids"]))
+    requests = []
+    for number, request in trace_records(path, "Mooncake request", request_of):
+        if request.input_length < 1 or not request.blocks:
+            raise TraceFormatError(f"{path}:{number}: a request needs input_length >= 1 and hash_ids")
+        requests.append(request)
+    return Trace(Path(path).name, tuple(requests))
 
 
 def kvstate_jsonl(path: str | Path) -> Trace:
@@ -79,7 +102,7 @@ def kvstate_jsonl(path: str | Path) -> Trace:
     ``input_length``."""
     chainer, requests = BlockChainer(), []
 
-    def request_of(record: dict) -> LabRequest:
+    def request_of(record: dict) -> TraceRequest:
         namespace = str(record.get("namespace", "default"))
         if "tokens" in record:
             tokens = [int(t) for t in record["tokens"]]
@@ -88,7 +111,7 @@ def kvstate_jsonl(path: str | Path) -> Trace:
         else:
             blocks = chainer.chain(namespace, (("id", int(b)) for b in record["blocks"]))
             length = int(record.get("input_length", len(blocks) * BLOCK_TOKENS))
-        return LabRequest(float(record.get("arrival", 0.0)), length, int(record["output_length"]), blocks,
+        return TraceRequest(float(record.get("arrival", 0.0)), length, int(record["output_length"]), blocks,
                           record.get("session"), namespace)
     for number, request in trace_records(path, "kvstate trace", request_of):
         if not request.blocks or request.input_length < 1:
@@ -112,10 +135,10 @@ def read(path: str | Path) -> Trace:
 
 
 def _request(rng: random.Random, chainer: BlockChainer, arrival: float, contents: list, session: str | None,
-             output: int) -> LabRequest:
+             output: int) -> TraceRequest:
     blocks = chainer.chain("default", contents)
     partial = rng.randint(1, BLOCK_TOKENS)
-    return LabRequest(arrival, (len(blocks) - 1) * BLOCK_TOKENS + partial, output, blocks, session)
+    return TraceRequest(arrival, (len(blocks) - 1) * BLOCK_TOKENS + partial, output, blocks, session)
 
 
 def chat(requests: int, seed: int = 0, system_prompts: int = 8, rate: float = 2.0) -> Trace:
