@@ -15,6 +15,10 @@ compute it: while a row in prefill will publish state a waiting request could
 reuse (:func:`kvstate.core.sharing.shared_target`), that request waits for the
 publish, at most ``share_wait_s`` seconds.
 
+Each request runs in its tenant's namespace (the handler sets it from the
+request's ``cache_salt``: :mod:`kvstate.interpreters.tenants`): its fetch, the
+inserts of its row and the rows it may wait for are all of that namespace.
+
 Two pieces of the server are subclassed, nothing else changes:
 :func:`admitting_generator` (a ``ResponseGenerator`` whose ``_next_request``
 admits) and :func:`measured_batch_generator` (a ``BatchGenerator`` that
@@ -34,6 +38,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.sharing import Computing, shared_target
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
+from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE
 
 #: The step in tokens by which mlx-lm's batch caches grow (``BatchKVCache.step``).
 CACHE_STEP = 256
@@ -43,13 +48,14 @@ MIN_SHARED_TOKENS = 64
 
 @attrs.define
 class Arrival:
-    """A dequeued server request, the server's own tokenization of it (None: not ours to admit)
-    and its prompt as the service's key, until when it may wait for a shared prefix being computed,
-    and whether it has waited for room."""
+    """A dequeued server request, the server's own tokenization of it (None: not ours to admit),
+    its prompt as the service's key and its namespace, until when it may wait for a shared prefix
+    being computed, and whether it has waited for room."""
 
     item: Any
     tokenized: tuple | None
     prompt: tuple[int, ...] = ()
+    namespace: str = ""
     share_deadline: float | None = None
     waited_for_room: bool = False
 
@@ -68,7 +74,9 @@ class BatchAdmission:
         self.min_shared_tokens = min_shared_tokens
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
+        self._namespaces: dict[int, str] = {}     # batch uid -> its request's namespace
         self._unplaced: Request | None = None     # admitted, not yet a batch row (or served unbatched)
+        self._unplaced_namespace = cache.namespace
         self._tokenized: tuple[int, tuple] | None = None  # (id of the server request, its tokenization)
         self._rows: dict[int, Request] = {}       # batch uid -> its lease
         self.peak_batch_bytes = 0
@@ -86,7 +94,7 @@ class BatchAdmission:
         while True:
             arrived = take(None if self._waiting else timeout)  # newcomers queue behind the waiting
             if arrived is not None:
-                self._waiting.append(self._arrival(arrived, tokenize))
+                self._waiting.append(self._arrival(arrived, tokenize, self.cache.namespace))
             if not self._waiting:
                 return None
             head = self._waiting[0]
@@ -101,20 +109,22 @@ class BatchAdmission:
             # REFUSED: the client has its answer; look at the next one
 
     @staticmethod
-    def _arrival(item: Any, tokenize: Any) -> Arrival:
+    def _arrival(item: Any, tokenize: Any, default_namespace: str) -> Arrival:
+        namespace = getattr(item[1], NAMESPACE_ATTRIBUTE, None) or default_namespace
         try:
             tokenized = tokenize(item)
-            return Arrival(item, tokenized, tuple(tokenized[0]))
+            return Arrival(item, tokenized, tuple(tokenized[0]), namespace)
         except Exception:  # noqa: BLE001 - not ours to admit: the server tokenizes and answers itself
-            return Arrival(item, None)
+            return Arrival(item, None, namespace=namespace)
 
     def _waits_for_shared_prefix(self, arrival: Arrival) -> bool:
         """Whether a row in prefill will soon publish enough of this prompt to be worth a wait."""
         if arrival.tokenized is None or not self._computing or self.share_wait_s <= 0:
             return False
         prompt = arrival.prompt
-        reusable = self.service.peek_prefix_len(prompt, self.cache.namespace)
-        if not shared_target(prompt, reusable, self._computing.values(), self.min_shared_tokens):
+        reusable = self.service.peek_prefix_len(prompt, arrival.namespace)
+        rows = [row for uid, row in self._computing.items() if self._namespaces.get(uid) == arrival.namespace]
+        if not shared_target(prompt, reusable, rows, self.min_shared_tokens):
             return False
         now = time.monotonic()
         if arrival.share_deadline is None:
@@ -138,8 +148,8 @@ class BatchAdmission:
                 self.waited += 1
             return WAIT
         self._tokenized = (id(request), arrival.tokenized)
-        self._unplaced = lease
-        self.cache.expect(lease)
+        self._unplaced, self._unplaced_namespace = lease, arrival.namespace
+        self.cache.expect(lease, arrival.namespace)
         return ADMITTED
 
     def tokenized(self, request: Any) -> tuple | None:
@@ -161,6 +171,8 @@ class BatchAdmission:
         """Rows ``uids`` joined the batch, with their prompt ``segments`` left to compute after the
         ``cached`` tokens (``insert_segments``' arguments)."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        for uid in uids:
+            self._namespaces[uid] = self._unplaced_namespace if lease is not None else self.cache.namespace
         if segments is not None and len(uids) == len(segments):
             for uid, parts, done in zip(uids, segments, cached or [[]] * len(uids)):
                 self._computing[uid] = self._row(parts, done)
@@ -197,8 +209,13 @@ class BatchAdmission:
                 start = len(row.prompt) - response.progress[1]
                 self._computing[response.uid] = attrs.evolve(row, position=start + response.progress[0])
 
+    def publishing(self, uid: int, tokens: Any) -> None:
+        """Row ``uid``'s caches over ``tokens`` go to the server's next insert: in the row's namespace."""
+        self.cache.announce(tokens, self._namespaces.get(uid, self.cache.namespace))
+
     def ended(self, uids: Any) -> None:
         for uid in uids:
+            self._namespaces.pop(uid, None)
             self._computing.pop(uid, None)
             lease = self._rows.pop(uid, None)
             if lease is not None:
@@ -245,8 +262,8 @@ def admitting_generator(server: Any, admission: BatchAdmission) -> type:
 
 
 def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
-    """mlx-lm's ``BatchGenerator`` (``base``) that tells admission its rows, their ends, and its
-    real bytes."""
+    """mlx-lm's ``BatchGenerator`` (``base``) that tells admission its rows, the caches it hands
+    out for inserts, their ends, and its real bytes."""
 
     class MeasuredBatchGenerator(base):
         def insert_segments(self, segments, *args, **kwargs):
@@ -254,10 +271,19 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
             admission.placed(uids, segments, kwargs.get("all_tokens"))
             return uids
 
+        def extract_cache(self, uids):
+            caches = super().extract_cache(uids)
+            for uid, (_, tokens) in caches.items():
+                admission.publishing(uid, tokens)
+            return caches
+
         def next(self):
             prompt_responses, generation_responses = super().next()
             admission.progressed(prompt_responses)
-            admission.ended([r.uid for r in generation_responses if r.finish_reason is not None])
+            finished = [r for r in generation_responses if r.finish_reason is not None]
+            for response in finished:
+                admission.publishing(response.uid, response.all_tokens)
+            admission.ended([r.uid for r in finished])
             try:
                 admission.measure(self.prompt_cache_nbytes)
             except Exception:  # noqa: BLE001 - a measure is advice; the projection still bounds the batch

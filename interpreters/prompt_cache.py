@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from kvstate.core.admission import held_bound
@@ -27,6 +28,8 @@ from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 
 #: The cache types ``mlx_lm.server`` inserts, as ``LRUPromptCache`` orders them.
 CACHE_TYPES = ("assistant", "user", "system")
+#: Announced inserts the server never made are forgotten past this many (a bound, not a rule).
+MAX_ANNOUNCED = 4096
 
 
 class KvStatePromptCache:
@@ -36,6 +39,11 @@ class KvStatePromptCache:
     built for; a request for any other model is a miss, and nothing of it is
     kept. Memory pressure (``trim_to``) gives RAM entries back through the
     service, spilling them first when it has a disk tier.
+
+    The server's calls carry no request, so a request's namespace (its
+    tenant's: :mod:`kvstate.interpreters.tenants`) is announced beside them:
+    :meth:`expect` before a fetch, :meth:`announce` before an insert. A call
+    nothing announced is the default ``namespace``'s.
     """
 
     def __init__(self, service: KvCacheService, model_key: Any, namespace: str = DEFAULT_NAMESPACE):
@@ -43,20 +51,41 @@ class KvStatePromptCache:
         self.model_key = model_key
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._types: dict[tuple[int, ...], str] = {}
+        self._types: dict[tuple[str, tuple[int, ...]], str] = {}
         self._limit: tuple[int | None, int | None] = (None, None)
-        self._expected: dict[tuple[int, ...], Request] = {}
+        self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
+        self._announced: dict[tuple[int, ...], deque[str]] = {}
 
     # ------------------------------------------------------------ admission's side
 
-    def expect(self, request: Request) -> None:
-        """The next fetch of ``request.prompt`` is this admitted request's: it acquires under that
-        lease, which stays live until the caller releases it (the end of its batch row)."""
-        self._expected[request.prompt] = request
+    def expect(self, request: Request, namespace: str | None = None) -> None:
+        """The next fetch of ``request.prompt`` is this admitted request's, in ``namespace`` (the
+        default one if None): it acquires under that lease, which stays live until the caller
+        releases it (the end of its batch row)."""
+        self._expected[request.prompt] = (request, namespace or self.namespace)
 
     def unexpect(self, request: Request) -> None:
-        if self._expected.get(request.prompt) is request:
+        expected = self._expected.get(request.prompt)
+        if expected is not None and expected[0] is request:
             del self._expected[request.prompt]
+
+    def announce(self, tokens: Any, namespace: str) -> None:
+        """The server's next insert of ``tokens`` is a row of ``namespace``'s (inserts of the same
+        tokens take the announced namespaces in order)."""
+        with self._lock:
+            if len(self._announced) >= MAX_ANNOUNCED:
+                self._announced.pop(next(iter(self._announced)))
+            self._announced.setdefault(tuple(tokens), deque()).append(namespace)
+
+    def _announced_namespace(self, key: tuple[int, ...]) -> str:
+        with self._lock:
+            waiting = self._announced.get(key)
+            if not waiting:
+                return self.namespace
+            namespace = waiting.popleft()
+            if not waiting:
+                del self._announced[key]
+            return namespace
 
     # ------------------------------------------------------------ what the server calls
 
@@ -67,10 +96,10 @@ class KvStatePromptCache:
             return None, tokens
         started = time.perf_counter()
         key = tuple(tokens)
-        admitted = self._expected.pop(key, None)
+        admitted, namespace = self._expected.pop(key, (None, self.namespace))
         request = admitted or Request(key, 1)
         try:
-            state = self.service.acquire(request, self.namespace)
+            state = self.service.acquire(request, namespace)
         except KvStateError:
             return None, tokens  # no room to admit a request nothing admitted: compute it all, keep nothing
         finally:
@@ -86,6 +115,7 @@ class KvStatePromptCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
         """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
+        namespace = self._announced_namespace(tuple(tokens))
         if model != self.model_key or not tokens or not prompt_cache:
             return
         started = time.perf_counter()
@@ -98,12 +128,12 @@ class KvStatePromptCache:
         key = tuple(tokens)
         request = Request(key, 1)
         try:
-            kept = self.service.publish(request, self.namespace, key, prompt_cache)
+            kept = self.service.publish(request, namespace, key, prompt_cache)
         except KvStateError:
             return  # caches the service cannot take (their tokens disagree): not kept, as a full cache would
         if kept:
             with self._lock:
-                self._types[key] = cache_type if cache_type in CACHE_TYPES else "assistant"
+                self._types[namespace, key] = cache_type if cache_type in CACHE_TYPES else "assistant"
         self.service.boundary()
         logging.info("kvstate: %s state of %d tokens %s in %.1f ms", cache_type, len(key),
                      "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))
@@ -142,11 +172,12 @@ class KvStatePromptCache:
         stats = {kind: {"n_sequences": 0, "n_bytes": 0} for kind in CACHE_TYPES}
         held = set()
         for entry in self.service.state.entries.values():
-            if entry.residence in IN_RAM and entry.namespace == self.namespace:
-                kind = self._types.get(entry.tokens, "assistant")
+            if entry.residence in IN_RAM:
+                key = (entry.namespace, entry.tokens)
+                kind = self._types.get(key, "assistant")
                 stats[kind]["n_sequences"] += 1
                 stats[kind]["n_bytes"] += entry.nbytes
-                held.add(entry.tokens)
+                held.add(key)
         with self._lock:
             for key in [k for k in self._types if k not in held]:
                 del self._types[key]

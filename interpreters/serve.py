@@ -32,6 +32,7 @@ from kvstate.interpreters.batch_admission import (
 )
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
+from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
 
 #: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
 SUPPORTED_MLX_LM = ((0, 32),)
@@ -80,9 +81,11 @@ def check_server_internals() -> Any:
             inspect.signature(server.ResponseGenerator._next_request).parameters)[1:] == ["timeout"],
         "ResponseGenerator._tokenize(tokenizer, request, args)": lambda: list(
             inspect.signature(server.ResponseGenerator._tokenize).parameters)[1:] == ["tokenizer", "request", "args"],
-        "BatchGenerator with insert_segments, next, remove, close and prompt_cache_nbytes": lambda: all(
-            hasattr(server.BatchGenerator, name) for name in ("insert_segments", "next", "remove", "close",
-                                                             "prompt_cache_nbytes")),
+        "BatchGenerator with insert_segments, next, extract_cache, remove, close and prompt_cache_nbytes":
+            lambda: all(hasattr(server.BatchGenerator, name) for name in (
+                "insert_segments", "next", "extract_cache", "remove", "close", "prompt_cache_nbytes")),
+        "CompletionRequest, a dataclass that takes new attributes": lambda: not hasattr(
+            server.CompletionRequest, "__slots__"),
         "BatchKVCache.step": lambda: getattr(cache_module.BatchKVCache, "step", None) == CACHE_STEP,
     }
     for piece, holds in expected.items():
@@ -190,23 +193,32 @@ def refusal(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: i
 
 def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int | None = None,
                          admission: BatchAdmission | None = None) -> type:
-    """mlx-lm's request handler with ``GET /metrics`` added, and requests that can never run refused
-    with a 400 before they reach the generation thread; everything else is the server's own."""
+    """mlx-lm's request handler with ``GET /metrics`` added, a request's ``cache_salt`` made its
+    namespace, and requests that can never run (or with a bad salt) refused with a 400 before they
+    reach the generation thread; everything else is the server's own."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
     class KvStateHandler(server.APIHandler):
         def handle_completion(self, request, stop_words):
+            salt = self.body.get("cache_salt") if isinstance(self.body, dict) else None
+            if salt is not None:
+                try:
+                    setattr(request, NAMESPACE_ATTRIBUTE, salt_namespace(salt))
+                except BadCacheSalt as error:
+                    return self._refuse(str(error), "cache_salt")
             tokenizer = self.response_generator.model_provider.tokenizer
             why = None if tokenizer is None or not isinstance(self.max_tokens, int) else refusal(
                 service, tokenizer, request, self.max_tokens, budget_bytes)
             if why is not None:
-                self._set_completion_headers(400)
-                self.end_headers()
-                # the OpenAI error shape, so clients show the reason
-                self.wfile.write(json.dumps({"error": {"message": why, "type": "invalid_request_error",
-                                                       "param": None, "code": None}}).encode())
-                return None
+                return self._refuse(why, None)
             return super().handle_completion(request, stop_words)
+
+        def _refuse(self, why: str, param: str | None) -> None:
+            self._set_completion_headers(400)
+            self.end_headers()
+            # the OpenAI error shape, so clients show the reason
+            self.wfile.write(json.dumps({"error": {"message": why, "type": "invalid_request_error",
+                                                   "param": param, "code": None}}).encode())
 
         def do_GET(self):
             if self.path.split("?", 1)[0] != "/metrics":

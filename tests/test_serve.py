@@ -207,6 +207,40 @@ def test_a_client_that_disconnects_mid_stream_releases_its_request(server):
     assert chat(server, [SYSTEM, {"role": "user", "content": "Hello again"}]).choices[0].message.content
 
 
+def test_a_cache_salt_keeps_each_tenants_state_to_itself(server):
+    """Two tenants send the same conversation: each reuses its own first turn, never the other's, and
+    a request without a salt does not reuse it either (the default namespace may hold other tests'
+    prompts, which share the chat template's first tokens, but nothing of the tenants')."""
+    first = [SYSTEM, {"role": "user", "content": "A private question about my own account number 4417."}]
+
+    def turn(salt, messages):
+        body = {"cache_salt": salt} if salt is not None else {}
+        return chat(server, messages, extra_body=body)
+
+    reply = turn("tenant-a", first)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And the balance?"}]
+    assert turn("tenant-b", second).usage.prompt_tokens_details.cached_tokens == 0
+    assert turn(None, second).usage.prompt_tokens_details.cached_tokens < reply.usage.prompt_tokens // 2
+    assert turn("Tenant-A", second).usage.prompt_tokens_details.cached_tokens == 0  # salts compare exactly
+    own = turn("tenant-a", second).usage.prompt_tokens_details.cached_tokens
+    assert own >= reply.usage.prompt_tokens - 1
+    assert server.metrics()["kvstate_live_requests"] == 0
+
+
+@pytest.mark.parametrize("salt", [17, "", "x" * 257, "a\x00b", ["list"], {"a": 1}],
+                         ids=["number", "empty", "too long", "control character", "list", "object"])
+def test_a_bad_cache_salt_gets_a_400_and_the_server_keeps_serving(server, salt):
+    body = {"model": "default_model", "messages": [SYSTEM, {"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "cache_salt": salt}
+    status, text = server.post("/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert "cache_salt" in error["message"] and error["param"] == "cache_salt"
+    assert chat(server, [SYSTEM, {"role": "user", "content": "Still there?"}]).choices[0].message.content
+    assert server.metrics()["kvstate_live_requests"] == 0
+
+
 def turn_restart_turn(directory, disk, between=lambda: None):
     """One turn, a stop, ``between()``, a restart, and the conversation's next turn: the first server,
     its exit status, both replies and the second server's metrics."""
