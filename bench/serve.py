@@ -10,8 +10,9 @@ first token is the time to the first content chunk). Stock gets ``--prompt-cache
 - ``agent``: one conversation of T steps, each appending a tool result to it.
 - ``overflow``: the chat workload, round-robin over sessions, with RAM a quarter of the working set;
   kvstate has a disk tier behind it.
-- ``restart``: one turn of every session, a server restart, then each session's next turn (the
-  figures are of the turns after the restart); kvstate keeps a disk tier across the restart.
+- ``restart``: ``--restart-turns`` turns of every session (default one less than ``--turns``), a
+  server restart, then each session's next turn (the figures are of the turns after the restart);
+  kvstate keeps a disk tier across the restart.
 - ``burst``: S requests at once sharing a long system prompt nothing holds yet, each with its own
   question: how much of the shared prompt the later ones reuse while the first computes it.
 
@@ -197,7 +198,8 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
                 records = list(pool.map(lambda messages: server.chat(messages, args.max_tokens), prompts))
         else:  # restart
             histories = [[{"role": "system", "content": SYSTEM}] for _ in range(args.sessions)]
-            conversation_turns(server, args.sessions, 1, args.concurrency, args.user_words, args.max_tokens,
+            before = args.restart_turns if args.restart_turns is not None else max(1, args.turns - 1)
+            conversation_turns(server, args.sessions, before, args.concurrency, args.user_words, args.max_tokens,
                                histories=histories)
             server.stop()
             server = Server(kind, model, ram, disk, log)
@@ -216,6 +218,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--restart-turns", type=int, default=None,
+                        help="turns of each session before the restart (default: --turns minus one)")
     parser.add_argument("--user-words", type=int, default=150)
     parser.add_argument("--tool-words", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=16)

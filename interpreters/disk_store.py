@@ -4,7 +4,9 @@ One file per saved prefix (or generation checkpoint), under
 ``<root>/<config fingerprint>/``. The safetensors metadata is the header:
 format version, identity (model fingerprint, tokenizer hash, config
 fingerprint), namespace, the token list, per layer the cache class and its
-scalars, and a blake2b content hash per tensor. Only live tokens are stored.
+scalars, and a content hash per tensor (xxh3-128: :mod:`~kvstate.interpreters.content_hash`).
+Only live tokens are stored. Files of another format version (format 1 hashed with blake2b) are
+rejected and counted, as any foreign file is.
 
 Files are encoded on the caller's thread (the only mlx work) and committed by
 plain file I/O, so a background writer never touches mlx. Writes are atomic: a temp file in the same directory, fsync, rename, fsync of
@@ -38,9 +40,10 @@ from kvstate.effects.completions import SavedCheckpoint, SavedRecord
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason
 from kvstate.effects.effects import CheckpointMeta, DiskKey
+from kvstate.interpreters import content_hash
 from kvstate.interpreters.mlx_caches import codec_named, codec_of
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 #: Rejected files kept for inspection in ``rejected/``, newest first; older ones are deleted.
 REJECTED_KEEP = 16
 SUFFIX = ".safetensors"
@@ -84,12 +87,11 @@ class WriteFailed(StorageError):
 _HASHERS: ThreadPoolExecutor | None = None
 
 
-def _digest(buffer) -> str:
-    return hashlib.blake2b(buffer, digest_size=16).hexdigest()
+_digest = content_hash.digest
 
 
 def _hash_all(buffers: list) -> list[str]:
-    """blake2b of each buffer, on a few threads (hashlib lets go of the GIL on large buffers)."""
+    """The content hash of each buffer, on a few threads (the hash lets go of the GIL on large buffers)."""
     global _HASHERS
     if len(buffers) < 2:
         return [_digest(b) for b in buffers]
@@ -99,13 +101,13 @@ def _hash_all(buffers: list) -> list[str]:
 
 
 def _header_digest(metadata: dict[str, str], tensors: dict[str, Any]) -> str:
-    """blake2b of the header (metadata and tensor table): a flipped byte in it that still parses is caught."""
+    """The hash of the header (metadata and tensor table): a flipped byte in it that still parses is caught."""
     table = {name: info for name, info in tensors.items() if name != "__metadata__"}
     canonical = json.dumps({"metadata": metadata, "tensors": table}, sort_keys=True, separators=(",", ":"))
     return _digest(canonical.encode())
 
 
-_PLACEHOLDER_DIGEST = "0" * 32  # every digest is 32 hex digits: a header's size does not depend on them
+_PLACEHOLDER_DIGEST = "0" * content_hash.DIGEST_CHARS  # a header's size does not depend on its digests
 
 
 def _header(metadata: dict[str, str], described: dict[str, tuple[str, list[int]]], sizes: list[int],

@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from kvstate.interpreters import content_hash
+
 CHUNK = 8 << 20
 
 
@@ -28,11 +30,12 @@ def default_cache_path() -> Path:
 
 def _file_key(path: Path) -> str:
     stat = path.stat()
-    return json.dumps([str(path.resolve()), stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns])
+    return json.dumps([content_hash.ALGORITHM, str(path.resolve()), stat.st_size, stat.st_ino, stat.st_mtime_ns,
+                       stat.st_ctime_ns])
 
 
 def _content_hash(path: Path) -> str:
-    digest = hashlib.blake2b(digest_size=16)
+    digest = content_hash.hasher()
     with open(path, "rb") as file:
         while chunk := file.read(CHUNK):
             digest.update(chunk)
