@@ -82,7 +82,10 @@ def _clear(d: Draft) -> Step:
 
 
 def synced(state: ServiceState, e: done.Synced) -> Step:
-    """The writes in flight settled: close goes on, a publish waiting on them is decided, a flush answers."""
+    """The writes in flight settled: close goes on, a publish waiting on them is decided, a flush answers
+    (memory pressure's wait answers nothing: the boundary that asked for it already has)."""
+    if e.pressure:
+        return Step(state, (), None)
     if state.phase is Phase.CLOSING:
         return _clear(Draft(state))
     if state.deferred is not None:

@@ -74,10 +74,13 @@ class FlushResult:
 
 @attrs.frozen
 class GaveBack:
-    """``boundary`` under pressure: bytes released (or being spilled to be released)."""
+    """``boundary`` under pressure: bytes released (or being spilled to be released); ``waited``: no
+    entry could be given back, and the boundary waits for the spills in flight, whose RAM copies go
+    once they land."""
 
     entries: int
     nbytes: int
+    waited: bool = False
 
 
 @attrs.frozen

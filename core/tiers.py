@@ -252,13 +252,22 @@ def give_back(d: Draft, entry: Entry, out: list) -> None:
 
 
 def boundary(d: Draft, pressure: bool) -> tuple[list, object]:
-    """Under pressure give back one entry (the policy's victim); the facade repeats while pressure lasts."""
+    """Under pressure give back one entry (the policy's victim); the facade repeats while pressure lasts.
+
+    An entry being given back holds its RAM until its spill lands, so while such spills are in flight
+    the boundary waits for them (a ``Sync``) before it picks another victim: it gives back no more
+    than the pressure needs. With no victim left and writes in flight it waits too (a written entry
+    becomes one whose RAM copy can go)."""
     if not pressure or d.phase is not Phase.OPEN:
         return [], GaveBack(0, 0)
+    if d.writes.count and any(e.demote and e.residence is R.SPILLING for e in d.entries.values()):
+        return [fx.Sync(pressure=True)], GaveBack(0, 0, waited=True)
     # The policy names the victim; its own bookkeeping follows the entry's fate in give_back
     # (an entry that starts spilling stays known to the policy, pinned until its write settles).
     _, chosen = victim(d.ram, d.entries, in_ram_evictable, protect=True)
     if chosen is None:
+        if d.writes.count:  # what is left is being written: its RAM goes once the writes land
+            return [fx.Sync(pressure=True)], GaveBack(0, 0, waited=True)
         return [], GaveBack(0, 0)
     entry = d.entries[chosen]
     out: list = []
@@ -267,12 +276,12 @@ def boundary(d: Draft, pressure: bool) -> tuple[list, object]:
 
 
 def optional_bytes(state: ServiceState) -> int:
-    """Memory optional state holds, as memory pressure sees it: kept RAM entries (less those already
-    being given back: their RAM copy goes once their write is durable), plus checkpoint writes queued.
-    A spill in flight is the RAM entry's own memory, so it is not counted twice."""
-    releasing = sum(e.nbytes for e in state.entries.values() if e.demote and e.residence is R.SPILLING)
+    """Memory optional state holds, as memory pressure sees it: kept RAM entries, those being given
+    back included (their RAM copy is held until their write lands: pressure waits for it), plus
+    checkpoint writes queued. A spill in flight is the RAM entry's own memory, so it is not counted
+    twice."""
     checkpoints = sum(record.pending_bytes for record in state.checkpoints.values())
-    return state.ram.bytes - releasing + checkpoints
+    return state.ram.bytes + checkpoints
 
 
 def tick(d: Draft, now: float) -> list:

@@ -116,7 +116,10 @@ class ResumeFailed(Completion):
 
 @attrs.frozen
 class Synced(Completion):
-    """Every write started before the :class:`~kvstate.effects.Sync` has completed or failed."""
+    """Every write started before the :class:`~kvstate.effects.Sync` has completed or failed
+    (``pressure`` echoes the Sync's)."""
+
+    pressure: bool = False
 
 
 @attrs.frozen

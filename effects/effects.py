@@ -149,4 +149,7 @@ class ResumeCheckpoint(Effect):
 
 @attrs.frozen
 class Sync(Effect):
-    """Wait until every write started so far has completed or failed; completes with :class:`Synced`."""
+    """Wait until every write started so far has completed or failed; completes with :class:`Synced`
+    (``pressure``: the wait is memory pressure's, whose spills hold RAM until they land)."""
+
+    pressure: bool = False

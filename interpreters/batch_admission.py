@@ -225,7 +225,12 @@ class BatchAdmission:
         self.ended(list(self._rows))
 
     def measure(self, batch_bytes: int) -> None:
+        """The batch holds ``batch_bytes`` after a step: admission goes by it, and kept RAM the batch
+        has grown into is given back now (spilled first), not at the next fetch or insert."""
         self.service.measure_batch(batch_bytes)
+        budget = self.service.config.kv_budget_bytes
+        if budget is not None and batch_bytes + self.cache.nbytes > budget:
+            self.service.boundary()
         self.peak_batch_bytes = max(self.peak_batch_bytes, batch_bytes)
         self.peak_held_bytes = max(self.peak_held_bytes, batch_bytes + self.cache.nbytes)
 

@@ -274,7 +274,7 @@ class MlxInterpreter(HeldState):
 
     def _sync(self, e: fx.Sync) -> list:
         finished = self._writer.drain() if self._writer is not None else []
-        return finished + [done.Synced()]
+        return finished + [done.Synced(e.pressure)]
 
 
 def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None, disk_dir: str | None = None,

@@ -119,6 +119,7 @@ class ReportCollector:
         import attrs
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        self.service.collect()  # an idle server hears of its finished writes at the scrape
         report = self.service.report()
         for field in attrs.fields(type(report)):
             value = getattr(report, field.name)

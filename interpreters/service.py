@@ -201,7 +201,7 @@ class KvCacheService:
         tokens = as_tokens(tokens, "published tokens", known=request.prompt)
         check_namespace(namespace)
         with self._lock:
-            self._collect()
+            self.collect()
             handle = next(self._handles)
             facts = self._interpreter.stage(handle, caches)
             try:
@@ -220,10 +220,13 @@ class KvCacheService:
             return 0
         return self._interpreter.file_bytes(handle, DiskKey(namespace, tokens), facts)
 
-    def _collect(self) -> None:
-        """Feed back the writes the interpreter finished in the background (unpinning their entries)."""
+    def collect(self) -> None:
+        """Feed back the writes the interpreter finished in the background (unpinning their entries),
+        so the report is current; safe from any thread. (An interpreter whose writes complete only when
+        its caller says, ``deferred_writes``, keeps them until ``boundary``.)"""
         if not getattr(self._interpreter, "deferred_writes", False):
-            self.complete(self._interpreter.poll())
+            with self._lock:
+                self.complete(self._interpreter.poll())
 
     def checkpoint(self, request: Request, caches: Any, tokens: Iterable[int], generated_tokens: int,
                    pending_token: int | None = None) -> bool:
@@ -265,9 +268,15 @@ class KvCacheService:
         with self._lock:
             self.complete(self._interpreter.poll())
             self._run(ev.Tick(self._interpreter.now))
+            waited_in_vain = False
             while self._pressure is not None and self._pressure(self._held_bytes()):
-                if self._run(ev.Boundary(pressure=True)).entries == 0:
-                    break
+                gave = self._run(ev.Boundary(pressure=True))
+                if gave.entries:
+                    waited_in_vain = False
+                    continue
+                if not gave.waited or waited_in_vain:
+                    break  # nothing left to give back, and waiting for the writes did not help
+                waited_in_vain = True
 
     def _held_bytes(self) -> int:
         return optional_bytes(self._state)

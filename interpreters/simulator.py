@@ -352,7 +352,7 @@ class SimulatorInterpreter(HeldState):
         return [done.CheckpointResumed(e.handle, saved.meta, tuple(saved.tokens))]
 
     def _sync(self, e: fx.Sync) -> list:
-        return self.poll() + [done.Synced()]
+        return self.poll() + [done.Synced(e.pressure)]
 
     def close(self) -> None:
         """Nothing to release: the simulated disk outlives the service on purpose (a restart reads it)."""

@@ -374,10 +374,40 @@ def test_pressure_spills_a_ram_only_entry_and_drops_its_ram_copy_once_written():
     entry = core.keep((1, 2, 3), nbytes=30).entry
     assert core(ev.Boundary(pressure=True)) == GaveBack(1, 30)
     assert core.residence(entry) is R.SPILLING and "demotions" not in core.counts()
-    assert optional_bytes(core.state) == 0  # already being given back
+    assert optional_bytes(core.state) == 30  # being given back, but held until its write lands
     core.settle_writes()
     assert core.residence(entry) is R.DISK and core.of(fx.DropEntry) == [fx.DropEntry(entry)]
     assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1}
+
+
+def test_pressure_with_only_spills_in_flight_left_waits_for_them_then_gives_back():
+    """RAM under pressure holds only entries being written: nothing can go before the writes land, so
+    the boundary waits for them (a Sync of its own, which answers nothing), then gives back."""
+    core = tiered()                            # write-behind: a kept entry starts spilling at once
+    entry = core.keep((1, 2, 3), nbytes=30).entry
+    assert core.residence(entry) is R.SPILLING
+    assert core(ev.Boundary(pressure=True)) == GaveBack(0, 0, waited=True)
+    assert core.of(fx.Sync) == [fx.Sync(pressure=True)]
+    core(done.SpillDone(entry))                # what the interpreter feeds back before Synced
+    assert core(done.Synced(pressure=True)) is None and core.residence(entry) is R.BOTH
+    assert core(ev.Boundary(pressure=True)) == GaveBack(1, 30)
+    assert core.residence(entry) is R.DISK and optional_bytes(core.state) == 0
+    assert core(ev.Boundary(pressure=True)) == GaveBack(0, 0)  # nothing in RAM, nothing being written
+
+
+def test_pressure_waits_for_an_entry_being_given_back_before_it_takes_another():
+    """The first victim's RAM is held until its spill lands: a second boundary waits for that write
+    instead of giving back a second entry the pressure may not need."""
+    core = tiered(write_behind=False)
+    first = core.keep((1, 2, 3), nbytes=30).entry
+    second = core.keep((4, 5, 6), nbytes=30).entry
+    assert core(ev.Boundary(pressure=True)) == GaveBack(1, 30)
+    assert core.residence(first) is R.SPILLING
+    assert core(ev.Boundary(pressure=True)) == GaveBack(0, 0, waited=True)
+    assert core.residence(second) is R.RAM and core.of(fx.Sync) == [fx.Sync(pressure=True)]
+    core(done.SpillDone(first))
+    assert core.residence(first) is R.DISK and optional_bytes(core.state) == 30
+    assert core(ev.Boundary(pressure=True)) == GaveBack(1, 30)  # still pressed: now the next one
 
 
 def test_a_boundary_without_pressure_gives_nothing_back():
@@ -402,17 +432,17 @@ def test_pressure_gives_back_unprotected_entries_first_and_protected_ones_last()
     assert core(ev.Boundary(pressure=True)) == GaveBack(0, 0)
 
 
-def test_optional_bytes_are_ram_entries_less_what_is_being_given_back_plus_queued_checkpoints():
+def test_optional_bytes_are_ram_entries_being_given_back_or_not_plus_queued_checkpoints():
     core = tiered(write_behind=False, checkpoint_every_tokens=1)
     core.keep((1, 2, 3), nbytes=30)
     core(ev.Flush())                          # its write is in flight, but it stays in RAM: still optional
     assert core.residence(1) is R.SPILLING and optional_bytes(core.state) == 30
     core.keep((4, 5, 6), nbytes=20)
-    core(ev.Boundary(pressure=True))          # being given back: its 20 bytes no longer count
-    assert core.residence(2) is R.SPILLING and optional_bytes(core.state) == 30
+    core(ev.Boundary(pressure=True))          # being given back: its 20 bytes are held until written
+    assert core.residence(2) is R.SPILLING and optional_bytes(core.state) == 50
     lease, _, _ = core.acquire((7, 8), continuation=Continuation("k", 1))
     assert core(ev.Checkpoint(lease, 77, (7, 8, 9), 3, 1, None, 5, 6)) is True
-    assert optional_bytes(core.state) == 35
+    assert optional_bytes(core.state) == 55
 
 
 def test_an_idle_entry_whose_write_is_in_flight_leaves_ram_once_written():

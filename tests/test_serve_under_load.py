@@ -1,0 +1,181 @@
+"""``kvstate serve`` under load and under kill -9: budgets hold throughout, and a crash loses nothing
+the server had made durable and restores nothing wrong.
+
+Real server processes on a tiny random-weight llama directory, real HTTP through the ``openai``
+client. The soak samples ``/metrics`` and the process's resident memory while eight clients run;
+the kill tests stop the server with SIGKILL mid-stream and while spills are in flight, then start
+it again on the same disk directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_serve import SYSTEM, Server, chat
+
+pytest.importorskip("openai", reason="the serving tests talk through the real openai client")
+
+MiB = 1 << 20
+
+
+def rss_bytes(pid: int) -> int | None:
+    """The resident set of process ``pid`` (Linux ``/proc``), or None where that is not readable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def directory_bytes(root: Path) -> int:
+    """What the files under ``root`` take, as the file system counts them (allocated blocks)."""
+    return sum(path.stat().st_blocks * 512 for path in root.rglob("*") if path.is_file())
+
+
+def saved_files(root: Path) -> set[str]:
+    return {path.name for path in root.rglob("*.safetensors") if "rejected" not in path.parts}
+
+
+def wait_for_writes(server: Server, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        if metrics["kvstate_pending_writes"] == 0 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kvstate.models.model_dir import save_model_dir
+    return save_model_dir(tmp_path_factory.mktemp("loaded") / "llama", "llama", seed=5)
+
+
+def test_a_soak_of_eight_clients_holds_every_budget_and_its_counters_add_up(model_dir, tmp_path):
+    """8 clients x 3 conversations x 2 turns, RAM a fraction of the working set, a KV budget and a
+    disk tier: at every sample RAM, disk, the budget and the batch stay within bounds; resident
+    memory stops growing after the first third; at the end every request was one lookup, nothing is
+    live, and the directory holds no more than its budget as the file system counts it."""
+    disk, ram, budget, disk_bytes = tmp_path / "disk", 2 * MiB, 3 * MiB // 2, 32 * MiB
+    server = Server(model_dir, "--ram-bytes", str(ram), "--kv-budget-bytes", str(budget),
+                    "--disk-dir", str(disk), "--disk-bytes", str(disk_bytes))
+    samples: list[tuple[float, dict[str, float], int | None]] = []
+    done, errors, replies = threading.Event(), [], []
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append((time.monotonic(), server.metrics(), rss_bytes(server.process.pid)))
+            time.sleep(0.2)
+
+    def client(n: int) -> None:
+        try:
+            for conversation in range(3):
+                messages = [SYSTEM, {"role": "user", "content": f"Client {n}, topic {conversation}: " + "word " * 60}]
+                for _ in range(2):
+                    reply = chat(server, messages, max_tokens=8)
+                    replies.append(reply)
+                    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                                 {"role": "user", "content": "Go on about it."}]
+        except Exception as error:  # noqa: BLE001 - collected and reported
+            errors.append(error)
+    try:
+        before = server.metrics()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        started = time.monotonic()
+        clients = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(timeout=600)
+        ended = time.monotonic()
+        done.set()
+        sampler.join()
+        after = wait_for_writes(server)
+    finally:
+        server.stop()
+    assert errors == [] and len(replies) == 48
+    assert len(samples) >= 5
+    for _, metrics, _ in samples:
+        assert metrics["kvstate_bytes"] <= ram
+        assert metrics["kvstate_projected_bytes"] <= budget and metrics["kvstate_held_peak_bytes"] <= budget
+        assert metrics["kvstate_disk_bytes"] <= disk_bytes
+    lookups = (after["kvstate_hits_total"] + after["kvstate_misses_total"]
+               - before["kvstate_hits_total"] - before["kvstate_misses_total"])
+    assert lookups == 48 and after["kvstate_hits_total"] > before["kvstate_hits_total"]
+    assert after["kvstate_spills_total"] > 0  # the working set did not fit: the disk tier was used
+    assert after["kvstate_live_requests"] == 0 and after["kvstate_projected_bytes"] == 0
+    assert after["kvstate_pending_writes"] == 0 and after["kvstate_rejected_files_total"] == 0
+    assert directory_bytes(disk) <= disk_bytes
+    resident = [(at, rss) for at, _, rss in samples if rss is not None]
+    if resident:
+        third = started + (ended - started) / 3
+        early = max(rss for at, rss in resident if at <= third)
+        late = max(rss for at, rss in resident if at > third)
+        assert late <= early + 64 * MiB, f"resident memory grew from {early} to {late} bytes"
+
+
+def _conversations(server: Server, n: int) -> list[list[dict]]:
+    """``n`` one-turn conversations, each ready for its next user turn."""
+    out = []
+    for i in range(n):
+        messages = [SYSTEM, {"role": "user", "content": f"Conversation {i} is about saved state " + "on disk " * 40}]
+        reply = chat(server, messages, max_tokens=8)
+        out.append(messages + [{"role": "assistant", "content": reply.choices[0].message.content},
+                               {"role": "user", "content": "Say more."}])
+    return out
+
+
+@pytest.mark.parametrize("moment", ["mid-stream", "mid-spill"])
+def test_a_server_killed_loses_nothing_durable_and_restores_only_right_state(model_dir, tmp_path, moment):
+    """Conversations run until their state is durable (no write pending); then more load, and SIGKILL
+    mid-stream or while spills are in flight. A restart finds every file that was durable, rejects
+    none (no torn file under a real name), and the conversations' next turns, restored from disk,
+    answer exactly what stock mlx_lm.server computes from scratch."""
+    disk = tmp_path / "disk"
+    options = ("--ram-bytes", str(MiB // 2), "--disk-dir", str(disk), "--disk-bytes", "256MiB")
+    first = Server(model_dir, *options)
+    try:
+        conversations = _conversations(first, 6)
+        durable = wait_for_writes(first)
+        assert durable["kvstate_pending_writes"] == 0 and durable["kvstate_spills_total"] > 0
+        files = saved_files(disk)
+        assert files
+        load = threading.Thread(target=lambda: _conversations(first, 6), daemon=True)
+        if moment == "mid-stream":
+            stream = chat(first, [SYSTEM, {"role": "user", "content": "A long story, please."}], max_tokens=200,
+                          stream=True)
+            for _ in zip(range(3), stream):
+                pass
+        else:
+            load.start()
+            deadline = time.monotonic() + 60
+            while first.metrics()["kvstate_pending_writes"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        os.kill(first.process.pid, signal.SIGKILL)
+        first.process.wait(timeout=30)
+    finally:
+        first.stop()
+    assert files <= saved_files(disk)  # nothing durable was lost
+    second = Server(model_dir, *options)
+    try:
+        assert second.metrics()["kvstate_rejected_files_total"] == 0
+        restored = [chat(second, messages, max_tokens=8) for messages in conversations]
+        assert second.metrics()["kvstate_restores_total"] >= 1
+        assert all(reply.usage.prompt_tokens_details.cached_tokens > 0 for reply in restored)
+    finally:
+        second.stop()
+    stock = Server(model_dir, stock=True)
+    try:
+        expected = [chat(stock, messages, max_tokens=8) for messages in conversations]
+    finally:
+        stock.stop()
+    assert [r.choices[0].message.content for r in restored] == [r.choices[0].message.content for r in expected]
