@@ -122,8 +122,8 @@ def _simulate(args: argparse.Namespace) -> int:
           + (f"disk tier {args.disk / 1e9:.1f} GB" if args.disk else "no disk tier"))
     try:
         rows = lab.sweep(trace, policies, capacities, args.granularity, model, disk_bytes=args.disk,
-                         processes=args.processes, progress=sys.stderr.isatty() or args.progress)
-    except PolicyNotAtGranularity as error:
+                         processes=args.processes, progress=sys.stderr.isatty() or args.progress, ray=args.ray)
+    except (PolicyNotAtGranularity, lab.RayUnavailable) as error:
         print(f"kvstate simulate: {error}", file=sys.stderr)
         return 2
     ceiling = unbounded(trace)
@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     simulate.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     simulate.add_argument("--processes", type=int, default=None, help="parallel runs (default: one per core)")
+    simulate.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                          help="run the sweep's cells on a Ray cluster (ray://host:10001, host:6379 or auto); "
+                               "without ADDRESS a local Ray, or the cluster RAY_ADDRESS names "
+                               "(pip install 'kvstate[ray]')")
     simulate.add_argument("--progress", action="store_true", help="show the progress bar even when not a tty")
     simulate.add_argument("--json", default="kvstate-lab.json",
                           help="write the rows as JSON here (default kvstate-lab.json; '' for none)")

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from kvstate.interpreters.lab import traces
 from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
 from kvstate.interpreters.lab.runs import PREFIX_POLICIES, run_blocks, run_prefixes, unbounded
-from kvstate.interpreters.lab.sweep import BadCapacity, parse_capacity
+from kvstate.interpreters.lab.sweep import BadCapacity, RayUnavailable, parse_capacity, sweep
 from kvstate.interpreters.traces import bundled
 from kvstate.models import model_spec
 
@@ -209,3 +210,40 @@ def test_simulate_with_no_arguments_writes_the_table_json_and_plot(tmp_path):
     rows = json.loads((tmp_path / "kvstate-lab.json").read_text())
     assert len(rows) == 8 * 5
     assert (tmp_path / "kvstate-lab.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _without_timing(rows):
+    return [attrs.evolve(row, seconds=0.0) for row in rows]
+
+
+@pytest.mark.parametrize("granularity", ["block", "prefix"])
+def test_a_sweep_on_ray_gives_the_rows_of_the_local_run(granularity):
+    """The cells of a sweep sent to a local Ray instance come back as the same rows, in the same
+    order, as the local process pool gives (their wall-clock seconds aside)."""
+    ray = pytest.importorskip("ray", reason="sweeps on Ray need the ray package (kvstate[ray])")
+    trace = traces.chat(400, seed=3)
+    capacities = [parse_capacity(c, "blocks", trace, MODEL) for c in ("20", "10%", "50%")]
+    policies = ["lru", "sieve", "s3fifo"] + (["belady"] if granularity == "block" else [])
+    local = sweep(trace, policies, capacities, granularity, MODEL, processes=2, progress=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = sweep(trace, policies, capacities, granularity, MODEL, progress=False, ray="")
+    finally:
+        ray.shutdown()
+    assert _without_timing(remote) == _without_timing(local)
+    assert len(local) == len(policies) * len(capacities) and any(row.token_hit_ratio > 0 for row in local)
+
+
+def test_a_sweep_on_ray_without_ray_installed_says_how_to_get_it(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    trace = traces.chat(20, seed=1)
+    with pytest.raises(RayUnavailable, match=r"kvstate\[ray\]"):
+        sweep(trace, ["lru"], [parse_capacity("10", "blocks", trace, MODEL)], "block", MODEL, progress=False,
+              ray="")

@@ -1,4 +1,10 @@
-"""Sweep policies x capacities over one trace, in parallel processes; rows for the table, JSON and plot."""
+"""Sweep policies x capacities over one trace, in parallel processes or on a Ray cluster; rows for the
+table, JSON and plot.
+
+Each cell (policy x capacity) is one replay, independent of the others. Locally the cells run in a
+process pool (forked, so the trace is shared, not copied); with ``ray`` they run as Ray tasks, the
+trace put once in the cluster's object store. The rows are the same either way.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ from kvstate.interpreters.replay import Outcome
 from kvstate.interpreters.simulator import CostModel
 from kvstate.interpreters.sizes import BYTE_UNITS, COUNT_LETTERS, BadQuantity, split_quantity
 from kvstate.models.spec import ModelSpec
-
 
 
 class BadCapacity(ValueError):
@@ -85,41 +90,74 @@ class Row:
     seconds: float
 
 
+class RayUnavailable(RuntimeError):
+    """A sweep asked for Ray where the ``ray`` package is not installed."""
+
+
 _TRACE: Trace | None = None
 
 
-def _job(args: tuple) -> tuple[int, Outcome]:
-    index, granularity, policy, capacity, disk, model = args
+def run_cell(trace: Trace, job: tuple) -> tuple[int, Outcome]:
+    """One cell of a sweep: ``job`` is (index, granularity, policy, capacity, disk bytes, model)."""
+    index, granularity, policy, capacity, disk, model = job
     if granularity == "block":
         disk_blocks = None if disk is None else disk // max(block_bytes(model), 1)
-        return index, run_blocks(_TRACE, policy, capacity.blocks, disk_blocks, model)
-    return index, run_prefixes(_TRACE, policy, capacity.nbytes, disk, model)
+        return index, run_blocks(trace, policy, capacity.blocks, disk_blocks, model)
+    return index, run_prefixes(trace, policy, capacity.nbytes, disk, model)
+
+
+def _job(job: tuple) -> tuple[int, Outcome]:
+    return run_cell(_TRACE, job)
+
+
+def _on_ray(trace: Trace, jobs: list, address: str, done) -> None:
+    """Run ``jobs`` as Ray tasks (connecting to ``address``, or starting a local Ray where it is
+    empty and none is running), calling ``done(index, outcome)`` as each finishes."""
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable("sweeps on Ray need the ray package: pip install 'kvstate[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
+    cell = ray.remote(run_cell)
+    shared = ray.put(trace)
+    pending = [cell.remote(shared, job) for job in jobs]
+    while pending:
+        finished, pending = ray.wait(pending, num_returns=1)
+        done(*ray.get(finished[0]))
 
 
 def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity], granularity: str,
           model: ModelSpec, disk_bytes: int | None = None, cost: CostModel | None = None,
-          processes: int | None = None, progress: bool = True) -> list[Row]:
-    """Every policy at every capacity; rows in (policy, capacity) order."""
+          processes: int | None = None, progress: bool = True, ray: str | None = None) -> list[Row]:
+    """Every policy at every capacity; rows in (policy, capacity) order. ``ray``: run the cells on
+    the Ray cluster at this address ("" for a local Ray, or the one ``RAY_ADDRESS`` names)."""
     global _TRACE
     cost = cost or CostModel()
     jobs = [(i, granularity, policy, capacity, disk_bytes, model)
             for i, (policy, capacity) in enumerate((p, c) for p in policies for c in capacities)]
-    _TRACE = trace
     outcomes: dict[int, Outcome] = {}
     workers = min(len(jobs), processes or os.cpu_count() or 1)
     # tqdm shows the rate and the time left; off, it draws nothing
     bar = tqdm(total=len(jobs), unit="run", desc="  sweep", file=sys.stderr, disable=not progress)
+
+    def done(index: int, outcome: Outcome) -> None:
+        outcomes[index] = outcome
+        bar.update()
     with bar:
-        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
-                for index, outcome in pool.imap_unordered(_job, jobs):
-                    outcomes[index] = outcome
-                    bar.update()
+        if ray is not None:
+            _on_ray(trace, jobs, ray, done)
+        elif workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            _TRACE = trace
+            try:
+                with multiprocessing.get_context("fork").Pool(workers) as pool:
+                    for index, outcome in pool.imap_unordered(_job, jobs):
+                        done(index, outcome)
+            finally:
+                _TRACE = None
         else:
             for job in jobs:
-                index, outcome = _job(job)
-                outcomes[index] = outcome
-                bar.update()
+                done(*run_cell(trace, job))
     rows = []
     for index, _, policy, capacity, _, _ in jobs:
         o = outcomes[index]
