@@ -20,6 +20,7 @@ from headers alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -128,6 +129,41 @@ def _header(metadata: dict[str, str], described: dict[str, tuple[str, list[int]]
     encoded = json.dumps(table, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
     return struct.pack("<Q", len(encoded)) + encoded
+
+
+def read_into(file: BinaryIO, view: memoryview) -> int:
+    """Read ``file`` into ``view`` until it is full or the file ends; the bytes read (fewer: a short read)."""
+    done = 0
+    while done < len(view):
+        count = file.readinto(view[done:])
+        if not count:
+            break
+        done += count
+    return done
+
+
+class ReadBuffers:
+    """Host buffers that restores read files into, reused: a fresh buffer per read pays the page faults
+    of memory never touched (as much again as the read, measured), and MLX copies the tensors out of
+    it anyway. One buffer is kept, up to ``keep_bytes``; a read while it is in use, or a larger one,
+    gets a buffer of its own."""
+
+    def __init__(self, keep_bytes: int = 1 << 30):
+        self.keep_bytes = keep_bytes
+        self._kept: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self, size: int):
+        if size > self.keep_bytes or not self._lock.acquire(blocking=False):
+            yield np.empty(size, dtype=np.uint8)
+            return
+        try:
+            if self._kept is None or len(self._kept) < size:
+                self._kept = np.empty(size, dtype=np.uint8)
+            yield self._kept[:size]
+        finally:
+            self._lock.release()
 
 
 def write_durably(path: Path, chunks: list) -> None:
@@ -274,6 +310,7 @@ class DiskStore:
         self.root = Path(root)
         self.identity = identity
         self.verify = verify
+        self._reads = ReadBuffers()
         self.directory = self.root / identity.config_fingerprint
         self.rejected_directory = self.directory / "rejected"
         private_directory(self.root)
@@ -481,15 +518,19 @@ class DiskStore:
     def _load_open(self, path: Path, file: BinaryIO) -> tuple[SavedFile, list]:
         described, metadata, tensors = self._describe(path, file)
         size = os.fstat(file.fileno()).st_size
+        with self._reads.take(size) as data:
+            try:
+                file.seek(0)
+                got = read_into(file, memoryview(data))
+            except (OSError, ValueError) as error:
+                raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+            if got != size:
+                raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {got} of its {size} bytes")
+            return described, self._decoded(path, data, metadata, tensors)
+
+    def _decoded(self, path: Path, data: np.ndarray, metadata: dict[str, str], tensors: dict[str, Any]) -> list:
         try:
-            file.seek(0)
-            data = np.fromfile(file, dtype=np.uint8)
-        except (OSError, ValueError) as error:
-            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
-        if data.size != size:
-            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {data.size} of its {size} bytes")
-        try:
-            return described, self._decode(path, data, metadata, tensors)
+            return self._decode(path, data, metadata, tensors)
         except RejectedFile:
             raise
         except Exception as error:  # noqa: BLE001 - a header that passed its checks and still fails to build
@@ -512,7 +553,7 @@ class DiskStore:
             if dtype is None:
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} has dtype "
                                                           f"{info['dtype']}")
-            arrays[name] = mx.view(mx.array(raw), dtype).reshape(info["shape"])
+            arrays[name] = mx.view(mx.array(raw), dtype).reshape(info["shape"])  # a copy: the buffer is reused
         caches = []
         for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
             prefix = f"{i}."

@@ -69,6 +69,24 @@ def test_round_trip_of_every_cache_class(case, tmp_path):
     assert rejected == 0 and [(r.namespace, r.tokens) for r in records] == [("n", key.tokens)]
 
 
+def test_restores_through_the_reused_read_buffer_never_share_it(tmp_path):
+    """Every restore reads into the one host buffer the store keeps, and what it restored stays
+    itself after later restores overwrite that buffer (each tensor is copied out of it)."""
+    mx.random.seed(1)
+    store = DiskStore(tmp_path, IDENTITY)
+    originals = {}
+    for length in (37, 20, 53):
+        caches = [filled(KVCache(), length), filled(KVCache(), length)]
+        key = DiskKey("n", tuple(range(100 * length, 100 * length + length)))
+        store.commit(store.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
+        originals[key] = state_arrays(caches)
+    restored = {key: store.read_prefix(key) for key in originals}
+    for _ in range(2):  # overwrite the buffer again, in another order
+        for key in reversed(list(originals)):
+            store.read_prefix(key)
+    assert {key: state_arrays(caches) for key, caches in restored.items()} == originals
+
+
 def saved(tmp_path, tokens=tuple(range(37))):
     store = DiskStore(tmp_path, IDENTITY)
     caches = [filled(KVCache(), len(tokens))]

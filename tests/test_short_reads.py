@@ -9,7 +9,6 @@ and nothing stays pinned: ``reading``, ``acquiring`` and the live requests retur
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from kvstate import KvCacheService, Request, Source
@@ -70,14 +69,13 @@ def test_a_file_cut_while_restored_is_a_counted_fallback(tmp_path, monkeypatch, 
 def test_a_short_read_that_does_not_recur_restores_the_file(tmp_path, monkeypatch):
     """A read that comes back short once (a flaky device) is tried again; the valid file is kept."""
     service = saved_service(tmp_path, verify=True)
-    real = np.fromfile
+    real = disk_store.read_into
     calls = []
 
-    def short_once(file, dtype):
-        data = real(file, dtype=dtype)
-        calls.append(data.size)
-        return data[:len(data) // 2] if len(calls) == 1 else data
-    monkeypatch.setattr(disk_store.np, "fromfile", short_once)
+    def short_once(file, view):
+        calls.append(len(view))
+        return real(file, view[:len(view) // 2] if len(calls) == 1 else view)
+    monkeypatch.setattr(disk_store, "read_into", short_once)
     state = service.acquire(request := Request(PROMPT + (3,), 2), "n")
     assert (state.source, state.reused_tokens) == (Source.DISK, len(PROMPT)) and len(calls) == 2
     assert service.report().rejected_files == 0
