@@ -172,6 +172,17 @@ def test_eight_concurrent_clients_are_all_served_and_the_report_adds_up(server):
     assert after["kvstate_hits_total"] > before["kvstate_hits_total"]  # the second turns reused the first
 
 
+def test_a_seeded_request_served_on_its_own_keeps_its_prompt_for_the_next_turn(server):
+    """mlx_lm.server serves a request with a seed outside the batch, and offers its cache with the
+    tokens it generated at the end: kept, so the conversation's next turn reuses it."""
+    first = [SYSTEM, {"role": "user", "content": "A seeded question about prompt caches, please."}]
+    reply = chat(server, first, seed=11)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And a second seeded one?"}]
+    again = chat(server, second, seed=11)
+    assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens - 1
+
+
 def test_metrics_are_the_report_in_prometheus_text(server):
     chat(server, [SYSTEM, {"role": "user", "content": "Hello"}])
     metrics = server.metrics()
