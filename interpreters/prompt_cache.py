@@ -30,6 +30,8 @@ from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 CACHE_TYPES = ("assistant", "user", "system")
 #: Announced inserts the server never made are forgotten past this many (a bound, not a rule).
 MAX_ANNOUNCED = 4096
+#: How often ``stats_by_type`` (a pass over every entry, logged by the server per request) is redone.
+STATS_EVERY_S = 1.0
 
 
 class KvStatePromptCache:
@@ -55,6 +57,7 @@ class KvStatePromptCache:
         self._limit: tuple[int | None, int | None] = (None, None)
         self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
         self._announced: dict[tuple[int, ...], deque[str]] = {}
+        self._stats: tuple[float, dict] | None = None
 
     # ------------------------------------------------------------ admission's side
 
@@ -168,7 +171,19 @@ class KvStatePromptCache:
         return self.service.state.ram.bytes
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
-        """Entries and bytes in RAM by the cache type the server inserted them as."""
+        """Entries and bytes in RAM by the cache type the server inserted them as.
+
+        The server logs these before every request, and they take a pass over every entry, so
+        they are worked out at most once every ``STATS_EVERY_S`` seconds (a log line up to that old).
+        """
+        now = time.monotonic()
+        if self._stats is not None and now - self._stats[0] < STATS_EVERY_S:
+            return self._stats[1]
+        stats = self._count_by_type()
+        self._stats = (now, stats)
+        return stats
+
+    def _count_by_type(self) -> dict[str, dict[str, int]]:
         stats = {kind: {"n_sequences": 0, "n_bytes": 0} for kind in CACHE_TYPES}
         held = set()
         for entry in self.service.state.entries.values():

@@ -59,3 +59,23 @@ def test_trim_to_gives_ram_back_to_what_the_batch_leaves(tmp_path):
     assert len(cache) == 1
     assert cache.service.flush().durable
     assert cache.service.report().saved_entries == 4  # what was given back was spilled first
+
+
+def test_the_per_request_stats_pass_over_the_entries_at_most_once_a_second(monkeypatch):
+    """The server logs ``stats_by_type`` before every request: a pass over every entry each time
+    would grow with the cache, so it is redone at most once a second."""
+    from kvstate.interpreters import prompt_cache as module
+
+    model, cache = adapter()
+    prompt = list(range(1, 41))
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="user")
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    passes = []
+    count = cache._count_by_type
+    monkeypatch.setattr(cache, "_count_by_type", lambda: passes.append(1) or count())
+    first = cache.stats_by_type()
+    clock[0] += 0.5
+    assert cache.stats_by_type() == first and len(passes) == 1
+    clock[0] += module.STATS_EVERY_S
+    assert cache.stats_by_type()["user"]["n_sequences"] == 1 and len(passes) == 2
