@@ -98,6 +98,7 @@ def checkpoint_written(state: ServiceState, e: done.CheckpointWritten) -> Step:
     d = Draft(state)
     _settled(d, e.key, e.tokens, e.file_bytes)
     d.count("checkpoints_written")
+    d.count("bytes_written", e.file_bytes)
     return Step(d.build(), (), None)
 
 

@@ -43,6 +43,10 @@ class Report:
     disk_bytes: int
     spills: int
     restores: int
+    #: Bytes of the files written to the disk tier (spills, checkpoints) and read back from it
+    #: (restores, prefetches): the disk's wear, and what it paid back.
+    bytes_written: int
+    bytes_read: int
     prefetches: int
     disk_evictions: int
     rejected_files: int
@@ -83,7 +87,7 @@ def report(state: ServiceState) -> Report:
         evictions=c.evictions, superseded=c.superseded, demotions=c.demotions,
         saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
         disk_bytes=state.disk.bytes,
-        spills=c.spills, restores=c.restores, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
+        spills=c.spills, restores=c.restores, bytes_written=c.bytes_written, bytes_read=c.bytes_read, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
         rejected_files=c.rejected_files,
         pending_writes=state.writes.count, pending_write_bytes=state.writes.bytes,
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,

@@ -152,10 +152,12 @@ def finish_acquire(d: Draft, lease_id: int, handle: int, reused: int, source: So
 def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     d = Draft(state)
     unpin(d, e.entry)
+    entry = d.entries.get(e.entry)
+    if entry is not None:
+        d.count("bytes_read", entry.file_bytes)
     waiting = d.acquiring.get(e.handle)
     if waiting is None:
         return Step(d.build(), (fx.DropPublished(e.handle),), None)
-    entry = d.entries.get(e.entry)
     if waiting.lease is None:  # an object read from disk
         d.acquiring = without(d.acquiring, e.handle)
         if entry is not None:

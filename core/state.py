@@ -238,6 +238,9 @@ class Counters:
     object_hits: int = 0
     object_misses: int = 0
     object_restores: int = 0
+    #: Bytes of the files written (spills and checkpoints) and read back (restores and prefetches).
+    bytes_written: int = 0
+    bytes_read: int = 0
 
 
 EMPTY: immutables.Map = immutables.Map()

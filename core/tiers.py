@@ -220,6 +220,7 @@ def spill_done(d: Draft, e: done.SpillDone) -> tuple[list, object]:
     d.set_entry(written)
     insert_disk(d, written)
     d.count("spills")
+    d.count("bytes_written", written.file_bytes)
     out: list = []
     if entry.demote:
         drop_ram(d, written, out)
@@ -336,6 +337,7 @@ def prefetch_done(d: Draft, e: done.PrefetchDone) -> tuple[list, object]:
     d.set_entry(entry)
     insert_ram(d, entry)
     d.count("prefetches")
+    d.count("bytes_read", entry.file_bytes)
     return [], None
 
 

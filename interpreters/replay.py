@@ -62,6 +62,13 @@ class Outcome:
     def block_hit_ratio(self) -> float:
         return self.block_hits / self.block_accesses if self.block_accesses else 0.0
 
+    @property
+    def write_amplification(self) -> float | None:
+        """Bytes written to the disk tier per byte later read back (None: written, never read)."""
+        if self.disk_bytes_read:
+            return self.disk_bytes_written / self.disk_bytes_read
+        return None if self.disk_bytes_written else 0.0
+
     def prefill_seconds(self, cost: CostModel) -> float:
         """Seconds the cost model gives the prompt tokens reuse did not cover."""
         return (self.prompt_tokens - self.reused_tokens) / cost.prefill_tokens_per_second

@@ -82,6 +82,7 @@ def test_simulator_and_mlx_interpreter_agree(name, script, bases):
                           if e.name.endswith(".safetensors"))
             assert reports[0]["disk_bytes"] == reports[0]["saved_bytes"] == on_disk
             assert reports[1]["disk_evictions"] == 0
-            for report in reports:
-                del report["disk_bytes"], report["saved_bytes"]
+            assert reports[0]["bytes_written"] >= on_disk  # every file there was written, and counted
+            for report in reports:  # file sizes differ by design (real headers); the counts do not
+                del report["disk_bytes"], report["saved_bytes"], report["bytes_written"], report["bytes_read"]
             assert reports[0] == reports[1]

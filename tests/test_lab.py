@@ -133,6 +133,17 @@ def test_a_disk_tier_behind_ram_serves_what_ram_evicted():
     assert tiered.disk_bytes_written > 0 and tiered.disk_bytes_read > 0
 
 
+def test_the_reports_disk_wear_is_what_the_disk_saw():
+    """Through the service, the report's bytes written and read are the bytes the simulated disk
+    wrote and read, and the row's write amplification is their ratio."""
+    trace = traces.chat(400, seed=4)
+    outcome = run_prefixes(trace, "lru", MODEL.bytes_for(512) * 30, MODEL.bytes_for(512) * 1000, MODEL)
+    assert outcome.report.bytes_written == outcome.disk_bytes_written > 0
+    assert outcome.report.bytes_read == outcome.disk_bytes_read > 0
+    assert outcome.write_amplification == outcome.disk_bytes_written / outcome.disk_bytes_read
+    assert run_prefixes(trace, "lru", MODEL.bytes_for(512) * 30, None, MODEL).write_amplification == 0.0
+
+
 @pytest.mark.parametrize("kind", sorted(traces.SYNTHETIC))
 def test_synthetic_workloads_are_seeded_and_share_prefixes(kind):
     first, again, other = (traces.SYNTHETIC[kind](500, seed=s) for s in (1, 1, 2))
@@ -194,7 +205,8 @@ def test_simulate_command_writes_rows_and_a_plot(tmp_path):
     assert [(r["policy"], r["capacity"]) for r in rows] == [("lru", "50"), ("lru", "50%"), ("belady", "50"),
                                                            ("belady", "50%")]
     required = {"policy", "capacity", "unit", "granularity", "requests", "request_hit_rate", "token_hit_ratio",
-                "block_hit_ratio", "disk_bytes_written", "disk_bytes_read", "prefill_seconds_saved"}
+                "block_hit_ratio", "disk_bytes_written", "disk_bytes_read", "write_amplification",
+                "prefill_seconds_saved"}
     assert all(required <= set(r) for r in rows)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--granularity", "prefix",

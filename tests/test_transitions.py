@@ -261,7 +261,7 @@ def test_a_spill_settles_into_both_tiers_and_is_counted_once():
     core.settle_writes()
     assert core.residence(entry) is R.BOTH
     assert (core.state.writes.count, core.state.writes.bytes, core.state.disk.bytes) == (0, 0, 30)
-    assert core.counts() == {"kept": 1, "spills": 1}
+    assert core.counts() == {"kept": 1, "spills": 1, "bytes_written": 30}
 
 
 def test_a_failed_spill_leaves_the_ram_copy_and_frees_its_disk_bytes():
@@ -323,7 +323,7 @@ def test_disk_eviction_deletes_the_least_recently_used_file():
     core.keep((5, 6), nbytes=30)
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (1, 2)))]
     assert core.residence(a) is R.RAM and core.residence(b) is R.BOTH
-    assert core.counts() == {"kept": 3, "spills": 2, "disk_evictions": 1}
+    assert core.counts() == {"kept": 3, "spills": 2, "disk_evictions": 1, "bytes_written": 60}
 
 
 def test_a_restore_refreshes_the_disk_policy():
@@ -377,7 +377,7 @@ def test_pressure_spills_a_ram_only_entry_and_drops_its_ram_copy_once_written():
     assert optional_bytes(core.state) == 30  # being given back, but held until its write lands
     core.settle_writes()
     assert core.residence(entry) is R.DISK and core.of(fx.DropEntry) == [fx.DropEntry(entry)]
-    assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1}
+    assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1, "bytes_written": 30}
 
 
 def test_pressure_with_only_spills_in_flight_left_waits_for_them_then_gives_back():
@@ -452,7 +452,7 @@ def test_an_idle_entry_whose_write_is_in_flight_leaves_ram_once_written():
     assert core.residence(entry) is R.SPILLING and core.state.entries[entry].demote
     core(done.SpillDone(entry))
     assert core.residence(entry) is R.DISK
-    assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1}
+    assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1, "bytes_written": 10}
 
 
 # ---------------------------------------------------------------- prefetch
@@ -519,7 +519,8 @@ def test_objects_read_from_disk_are_pinned_per_reader_counted_and_never_prefixes
     assert core(done.RestoreFailed(1, 3, CORRUPT)) == ObjectMissing()
     assert 1 not in core.state.reading
     assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1, "object_hits": 1, "object_restores": 1,
-                             "object_misses": 1, "rejected_files": 1}
+                             "object_misses": 1, "rejected_files": 1, "bytes_written": 10,
+                             "bytes_read": 10}
 
 
 def test_an_object_read_from_disk_refreshes_the_disk_policy():
@@ -614,7 +615,7 @@ def test_a_checkpoint_of_nothing_generated_yet_is_written_and_resumed():
     reply = core(done.CheckpointResumed(handle, meta, (1, 2)))
     assert (reply.source, reply.resumed, reply.resumed_tokens) == (Source.CHECKPOINT, meta, (1, 2))
     assert core.counts() == {"misses": 1, "hits": 1, "checkpoints_written": 1, "resumes": 1,
-                             "prefill_tokens_saved": 2}
+                             "prefill_tokens_saved": 2, "bytes_written": 6}
 
 
 def test_a_checkpoint_still_being_written_or_only_failed_is_not_resumed():
@@ -703,7 +704,7 @@ def test_an_inconsistent_checkpoint_is_deleted_and_the_acquire_falls_back(wrong)
     assert reply.source is Source.FRESH
     assert core.of(fx.DropPublished)[0] == fx.DropPublished(handle)
     assert fx.DeleteCheckpoint("n\x1f\x1fk") in core.effects
-    assert core.counts() == {"misses": 2, "checkpoints_written": 1, "rejected_files": 1}
+    assert core.counts() == {"misses": 2, "checkpoints_written": 1, "rejected_files": 1, "bytes_written": 6}
 
 
 def test_a_checkpoint_that_fails_to_read_is_deleted_and_the_acquire_falls_back():
@@ -714,7 +715,7 @@ def test_a_checkpoint_that_fails_to_read_is_deleted_and_the_acquire_falls_back()
     reply = core(done.ResumeFailed(key, handle, CORRUPT))
     assert reply == Acquired(lease, handle, 0, Source.FRESH)
     assert core.effects == (fx.DeleteCheckpoint(key), fx.MakeFresh(handle))  # the handle is the caller's still
-    assert core.counts() == {"misses": 2, "checkpoints_written": 1, "rejected_files": 1}
+    assert core.counts() == {"misses": 2, "checkpoints_written": 1, "rejected_files": 1, "bytes_written": 6}
 
 
 # ---------------------------------------------------------------- flush

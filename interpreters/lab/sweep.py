@@ -86,6 +86,8 @@ class Row:
     block_hit_ratio: float
     disk_bytes_written: int
     disk_bytes_read: int
+    #: Bytes written per byte read back (None: written, never read): the disk tier's wear per use.
+    write_amplification: float | None
     prefill_seconds_saved: float
     seconds: float
 
@@ -163,22 +165,26 @@ def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity],
         o = outcomes[index]
         rows.append(Row(policy, capacity.label, capacity.blocks, capacity.nbytes, capacity.unit, granularity,
                         o.requests, o.request_hit_rate, o.token_hit_ratio, o.block_hit_ratio, o.disk_bytes_written,
-                        o.disk_bytes_read, o.prefill_seconds_saved(cost), o.seconds))
+                        o.disk_bytes_read, o.write_amplification, o.prefill_seconds_saved(cost), o.seconds))
     return rows
 
 
 def table(rows: Sequence[Row], ceiling: Outcome) -> str:
     """The terminal table: policy x capacity, with the unbounded ceiling last."""
     head = (f"{'policy':8} {'capacity':>12} {'req hit':>8} {'token hit':>10} {'block hit':>10} "
-            f"{'disk written':>13} {'disk read':>11} {'prefill s saved':>16}")
+            f"{'disk written':>13} {'disk read':>11} {'wr/rd':>7} {'prefill s saved':>16}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.policy:8} {r.capacity:>12} {r.request_hit_rate:>8.4f} {r.token_hit_ratio:>10.4f} "
                      f"{r.block_hit_ratio:>10.4f} {_size(r.disk_bytes_written):>13} {_size(r.disk_bytes_read):>11} "
-                     f"{r.prefill_seconds_saved:>16.1f}")
+                     f"{_ratio(r.write_amplification):>7} {r.prefill_seconds_saved:>16.1f}")
     lines.append(f"{'(unbounded)':21} {ceiling.request_hit_rate:>8.4f} {ceiling.token_hit_ratio:>10.4f} "
                  f"{ceiling.block_hit_ratio:>10.4f}")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f}"
 
 
 def _size(nbytes: int) -> str:
