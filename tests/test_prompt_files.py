@@ -50,12 +50,18 @@ def serve_once(service, model, tokens):
     service.release(request)
 
 
-def test_an_exported_file_is_mlx_lms_own_and_continues_as_recompute(llama, tmp_path):
+def exported(llama, path, asked=PROMPT) -> int:
+    """Serve PROMPT on a fresh service of ``llama``, export what it holds for ``asked`` to ``path``."""
     model, config = llama
     service = service_for(model, config)
     serve_once(service, model, PROMPT)
+    return export_prompt_cache(service, path, asked)
+
+
+def test_an_exported_file_is_mlx_lms_own_and_continues_as_recompute(llama, tmp_path):
+    model, _ = llama
     path = tmp_path / "prompt.safetensors"
-    assert export_prompt_cache(service, path, PROMPT + (99, 98)) == len(PROMPT)  # the longest prefix held
+    assert exported(llama, path, PROMPT + (99, 98)) == len(PROMPT)  # the longest prefix held
     caches, metadata = load_prompt_cache(str(path), return_metadata=True)  # mlx-lm reads it unchanged
     assert metadata["kvstate_tokens"] and "kvstate_identity" in metadata
     assert mx.allclose(next_logits(model, (7,), caches), recomputed(model, PROMPT + (7,)), atol=1e-4)
@@ -63,10 +69,8 @@ def test_an_exported_file_is_mlx_lms_own_and_continues_as_recompute(llama, tmp_p
 
 def test_an_exported_file_imports_into_a_service_of_the_same_model(llama, tmp_path):
     model, config = llama
-    source = service_for(model, config)
-    serve_once(source, model, PROMPT)
     path = tmp_path / "prompt.safetensors"
-    export_prompt_cache(source, path, PROMPT)
+    exported(llama, path)
     target = service_for(model, config)
     assert import_prompt_cache(target, path) is True
     request = Request(PROMPT + (7,), 1)
@@ -77,11 +81,8 @@ def test_an_exported_file_imports_into_a_service_of_the_same_model(llama, tmp_pa
 
 
 def test_a_file_of_another_model_is_refused_and_nothing_is_kept(llama, tmp_path):
-    model, config = llama
-    source = service_for(model, config)
-    serve_once(source, model, PROMPT)
     path = tmp_path / "prompt.safetensors"
-    export_prompt_cache(source, path, PROMPT)
+    exported(llama, path)
     other, other_config = build("llama", seed=2)
     target = service_for(other, other_config)
     with pytest.raises(PromptFileRefused, match="another model"):

@@ -97,6 +97,17 @@ def chat(server: Server, messages, max_tokens=8, **options):
                                                  temperature=0.0, **options)
 
 
+def converse(server: Server, messages: list, turns: int, max_tokens: int = 8, follow: str = "Go on.") -> list:
+    """``turns`` turns of one conversation from ``messages``: each reply, then ``follow``, is added."""
+    replies = []
+    for _ in range(turns):
+        reply = chat(server, messages, max_tokens=max_tokens)
+        replies.append(reply)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": follow}]
+    return replies
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_model_dir(tmp_path_factory.mktemp("served") / "llama", "llama", seed=3)
@@ -151,11 +162,7 @@ def test_eight_concurrent_clients_are_all_served_and_the_report_adds_up(server):
     def client(n):
         try:
             messages = [SYSTEM, {"role": "user", "content": f"Numbers: {n} {n + 1} {n + 2}, and a cache."}]
-            for turn in range(2):
-                reply = chat(server, messages, max_tokens=6)
-                replies.append(reply)
-                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                             {"role": "user", "content": "Go on."}]
+            replies.extend(converse(server, messages, 2, max_tokens=6))
         except Exception as error:  # noqa: BLE001 - collected and reported
             errors.append(error)
     threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve import SYSTEM, Server, chat
+from tests.test_serve import SYSTEM, Server, chat, converse
 
 openai = pytest.importorskip("openai", reason="the serving tests talk through the real openai client")
 
@@ -79,11 +79,7 @@ def test_a_soak_of_eight_clients_holds_every_budget_and_its_counters_add_up(mode
         try:
             for conversation in range(3):
                 messages = [SYSTEM, {"role": "user", "content": f"Client {n}, topic {conversation}: " + "word " * 60}]
-                for _ in range(2):
-                    reply = chat(server, messages, max_tokens=8)
-                    replies.append(reply)
-                    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                                 {"role": "user", "content": "Go on about it."}]
+                replies.extend(converse(server, messages, 2, follow="Go on about it."))
         except Exception as error:  # noqa: BLE001 - collected and reported
             errors.append(error)
     try:
