@@ -13,7 +13,8 @@ projection, and the peaks are kept for ``/metrics``.
 Requests that arrive together and share a prefix nothing holds yet do not all
 compute it: while a row in prefill will publish state a waiting request could
 reuse (:func:`kvstate.core.sharing.shared_target`), that request waits for the
-publish, at most ``share_wait_s`` seconds.
+publish, at most ``share_wait_s`` seconds, and requests behind it that do not
+share the prefix go first.
 
 Each request runs in its tenant's namespace (the handler sets it from the
 request's ``cache_salt``: :mod:`kvstate.interpreters.tenants`): its fetch, the
@@ -97,16 +98,27 @@ class BatchAdmission:
                 self._waiting.append(self._arrival(arrived, tokenize, self.cache.namespace))
             if not self._waiting:
                 return None
-            head = self._waiting[0]
-            if self._waits_for_shared_prefix(head):
-                return None
-            verdict = self._admit(head)
+            verdict, arrival = self._next_in_line()
+            if verdict is None:  # everything in line waits for a shared prefix: see what else came
+                if arrived is None:
+                    return None
+                continue
             if verdict is WAIT:
                 return None
-            self._waiting.popleft()
+            self._waiting.remove(arrival)
             if verdict is ADMITTED:
-                return head.item
+                return arrival.item
             # REFUSED: the client has its answer; look at the next one
+
+    def _next_in_line(self) -> tuple[object, Arrival | None]:
+        """The verdict on the first waiting request that is not waiting for a shared prefix, and that
+        request: a request whose prefix is being computed lets the ones behind it go first (they do
+        not share it), while room is first come, first served."""
+        for arrival in self._waiting:
+            if self._waits_for_shared_prefix(arrival):
+                continue
+            return self._admit(arrival), arrival
+        return None, None
 
     @staticmethod
     def _arrival(item: Any, tokenize: Any, default_namespace: str) -> Arrival:
