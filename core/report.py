@@ -47,6 +47,9 @@ class Report:
     #: (restores, prefetches): the disk's wear, and what it paid back.
     bytes_written: int
     bytes_read: int
+    #: Reads of saved files that hit an I/O error: the file stays (the request falls back) unless
+    #: its reads fail ``MAX_READ_ERRORS`` times in a row.
+    read_errors: int
     prefetches: int
     disk_evictions: int
     rejected_files: int
@@ -87,7 +90,8 @@ def report(state: ServiceState) -> Report:
         evictions=c.evictions, superseded=c.superseded, demotions=c.demotions,
         saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
         disk_bytes=state.disk.bytes,
-        spills=c.spills, restores=c.restores, bytes_written=c.bytes_written, bytes_read=c.bytes_read, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
+        spills=c.spills, restores=c.restores, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
+        read_errors=c.read_errors, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
         rejected_files=c.rejected_files,
         pending_writes=state.writes.count, pending_write_bytes=state.writes.bytes,
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,

@@ -20,7 +20,7 @@ from kvstate.core.prefix_index import common_prefix
 from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
-from kvstate.core.tiers import reject, touch, unpin
+from kvstate.core.tiers import read_error, read_ok, reject, touch, unpin
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -86,17 +86,21 @@ def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int) -> Pendin
     return Pending(handle)
 
 
-def plan_acquire(d: Draft, lease_id: int, handle: int, out: list) -> Acquired | Pending:
-    """The longest usable prefix (RAM first, disk if strictly longer), else fresh caches."""
+def plan_acquire(d: Draft, lease_id: int, handle: int, out: list, from_disk: bool = True) -> Acquired | Pending:
+    """The longest usable prefix (RAM first, disk if strictly longer; RAM only without ``from_disk``),
+    else fresh caches."""
     lease = d.leases[lease_id]
     request, namespace = lease.request, lease.namespace
     if not keeps(d, request):
         out.append(fx.MakeFresh(handle))
         return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None, count=False)
     ram_len, ram_entry = d.ram.index.longest(namespace, request.prompt)
-    disk_len, disk_entry = d.disk.index.longest(namespace, request.prompt) if d.config.has_disk else (0, None)
+    disk_len, disk_entry = (d.disk.index.longest(namespace, request.prompt) if d.config.has_disk and from_disk
+                            else (0, None))
     best = max(ram_len, disk_len)
     own = _session_entry(d, request, namespace)
+    if own is not None and not from_disk and own.residence not in IN_RAM:
+        own = None
     if own is not None and best > 0 and usable_length(own, request.prompt) >= best:
         # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
         if own.residence in IN_RAM:
@@ -162,11 +166,13 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         d.acquiring = without(d.acquiring, e.handle)
         if entry is not None:
             touch(d, entry, disk=True)
+            read_ok(d, entry.id)
         d.count("object_hits")
         d.count("object_restores")
         return Step(d.build(), (), ObjectFound(e.handle, Source.DISK))
     if entry is not None:
         touch(d, entry, disk=True)
+        read_ok(d, entry.id)
     d.count("restores")
     reply = finish_acquire(d, waiting.lease, e.handle, waiting.tokens, Source.DISK, e.entry)
     return Step(d.build(), (), reply)
@@ -176,7 +182,11 @@ def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
     d = Draft(state)
     unpin(d, e.entry)
     out: list = []
-    reject(d, e.entry, out)
+    io_error = e.reason is done.FailureReason.IO_ERROR
+    if io_error:
+        read_error(d, e.entry, out)
+    else:
+        reject(d, e.entry, out)
     waiting = d.acquiring.get(e.handle)
     if waiting is None:
         return Step(d.build(), tuple(out), None)
@@ -184,7 +194,8 @@ def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
     if waiting.lease is None:  # an object whose file was rejected: a miss
         d.count("object_misses")
         return Step(d.build(), tuple(out), ObjectMissing())
-    reply = plan_acquire(d, waiting.lease, e.handle, out)
+    # After an I/O error the disk is not read again for this request: RAM or fresh serves it.
+    reply = plan_acquire(d, waiting.lease, e.handle, out, from_disk=not io_error)
     return Step(d.build(), tuple(out), reply)
 
 

@@ -55,6 +55,7 @@ class Move(enum.Enum):
     PREFETCH = "prefetch"            #: a read into RAM starts
     READ = "read"                    #: the read into RAM is done
     READ_FAILED = "read-failed"      #: the read failed: the file is rejected
+    READ_ERROR = "read-error"        #: the read hit an I/O error: the file stays, on disk only
     ADOPT = "adopt"                  #: a request published the same tokens again: RAM copy regained
 
 
@@ -72,6 +73,7 @@ LIFECYCLE: dict[tuple[Residence, Move], Residence | None] = {
     (R.DISK, Move.ADOPT): R.BOTH,
     (R.PREFETCHING, Move.READ): R.BOTH,
     (R.PREFETCHING, Move.READ_FAILED): None,
+    (R.PREFETCHING, Move.READ_ERROR): R.DISK,
 }
 
 IN_RAM = frozenset({R.RAM, R.SPILLING, R.BOTH})
@@ -181,6 +183,8 @@ class Entry:
     #: the disk tier charges while a write is in flight or a copy is on disk. ``nbytes`` is what RAM
     #: charges.
     file_bytes: int = 0
+    #: Reads of its file that hit an I/O error in a row (an I/O error is not evidence of a bad file).
+    read_errors: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -241,6 +245,8 @@ class Counters:
     #: Bytes of the files written (spills and checkpoints) and read back (restores and prefetches).
     bytes_written: int = 0
     bytes_read: int = 0
+    #: Reads of saved files that hit an I/O error (the file kept unless it keeps failing).
+    read_errors: int = 0
 
 
 EMPTY: immutables.Map = immutables.Map()

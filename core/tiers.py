@@ -333,7 +333,7 @@ def prefetch_done(d: Draft, e: done.PrefetchDone) -> tuple[list, object]:
     entry = d.entries.get(e.entry)
     if entry is None or entry.residence is not R.PREFETCHING:
         return [], None
-    entry = attrs.evolve(entry, residence=moved(entry.residence, Move.READ), last_used=d.now)
+    entry = attrs.evolve(entry, residence=moved(entry.residence, Move.READ), last_used=d.now, read_errors=0)
     d.set_entry(entry)
     insert_ram(d, entry)
     d.count("prefetches")
@@ -352,9 +352,42 @@ def reject(d: Draft, entry_id: int, out: list) -> None:
     drop_disk(d, entry, out, delete=False)
 
 
+#: Reads of one file that may hit I/O errors in a row before it is taken for unreadable and deleted.
+MAX_READ_ERRORS = 3
+
+
+def read_error(d: Draft, entry_id: int, out: list) -> bool:
+    """A read of ``entry_id``'s file hit an I/O error, which is not evidence of a bad file: the file
+    stays, on disk (a prefetch's RAM charge is undone), unless its reads have now failed
+    ``MAX_READ_ERRORS`` times in a row; then it is forgotten and deleted. True if it stays."""
+    d.count("read_errors")
+    entry = d.entries.get(entry_id)
+    if entry is None or entry.residence not in (R.BOTH, R.DISK, R.PREFETCHING):
+        return False
+    if entry.residence is R.PREFETCHING:
+        d.ram.bytes -= entry.nbytes
+    if entry.read_errors + 1 >= MAX_READ_ERRORS:
+        d.count("rejected_files")
+        drop_disk(d, entry, out, delete=True)
+        return False
+    residence = moved(entry.residence, Move.READ_ERROR) if entry.residence is R.PREFETCHING else entry.residence
+    d.set_entry(attrs.evolve(entry, residence=residence, read_errors=entry.read_errors + 1))
+    return True
+
+
+def read_ok(d: Draft, entry_id: int) -> None:
+    """A read of ``entry_id``'s file succeeded: its run of I/O errors is over."""
+    entry = d.entries.get(entry_id)
+    if entry is not None and entry.read_errors:
+        d.set_entry(attrs.evolve(entry, read_errors=0))
+
+
 def prefetch_failed(d: Draft, e: done.PrefetchFailed) -> tuple[list, object]:
     out: list = []
-    reject(d, e.entry, out)
+    if e.reason is done.FailureReason.IO_ERROR:
+        read_error(d, e.entry, out)
+    else:
+        reject(d, e.entry, out)
     return out, None
 
 

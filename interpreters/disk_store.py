@@ -454,9 +454,10 @@ class DiskStore:
         return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
     def _reject(self, path: Path, file: BinaryIO, rejected: RejectedFile) -> bool:
-        """Move the rejected open ``file`` aside; False (nothing done) when ``path`` no longer names it:
-        the file there now has not been judged."""
-        if rejected.reason is FailureReason.MISSING or not self._still_named(path, file):
+        """Move the rejected open ``file`` aside; False (nothing done) when ``path`` no longer names it
+        (the file there now has not been judged), or when the read failed with an I/O error, which says
+        nothing of the file: only a verified mismatch moves a file aside."""
+        if rejected.reason in (FailureReason.MISSING, FailureReason.IO_ERROR) or not self._still_named(path, file):
             return False
         self.move_aside(path, rejected.reason)
         return True

@@ -223,8 +223,7 @@ class MlxInterpreter(HeldState):
             return store.read_prefix(key)
         except RejectedFile as rejected:
             return rejected.reason
-        except Exception:  # noqa: BLE001 - not the store's own rejection: moved aside all the same
-            store.reject_prefix(key, done.FailureReason.IO_ERROR)
+        except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
             return done.FailureReason.IO_ERROR
 
     def _restore_entry(self, e: fx.RestoreEntry) -> list:

@@ -135,10 +135,13 @@ class SimDisk:
 
 @attrs.define
 class FaultPlan:
-    """Faults to inject: write numbers (1-based, spills and checkpoints) that fail, and a crash point."""
+    """Faults to inject: write numbers (1-based, spills and checkpoints) that fail, read numbers that hit
+    an I/O error, and a crash point."""
 
     fail_writes: set[int] = attrs.Factory(set)
     fail_reason: Reason = Reason.NO_SPACE
+    #: Read numbers (1-based, restores and prefetches) that hit an I/O error; the file is left as it is.
+    fail_reads: set[int] = attrs.Factory(set)
     crash_before_effect: int | None = None
 
 
@@ -148,6 +151,7 @@ class SimStats:
 
     effects: int = 0
     writes: int = 0
+    reads: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
     prefill_tokens: int = 0
@@ -308,6 +312,9 @@ class SimulatorInterpreter(HeldState):
         file = self.disk.files.get(key)
         if file is None:
             return Reason.MISSING
+        self.stats.reads += 1
+        if self.stats.reads in self.faults.fail_reads:
+            return Reason.IO_ERROR
         if file.identity != self.identity or file.corrupt:
             reason = Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT
             self._move_aside(key, reason)

@@ -134,6 +134,7 @@ class BaseMachine(RuleBasedStateMachine):
             return
         live = Live(request, namespace, need)
         self.live.append(live)
+        self.before_acquire()
         self.check_acquire(live, self.service.acquire(request, namespace))
         tokens = prompt + extra
         live.caches = self.service.interpreter.prefill(live.caches, tokens[len(live.caches.tokens):])
@@ -146,7 +147,11 @@ class BaseMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def acquire(self, data):
         live = data.draw(st.sampled_from([live for live in self.live if live.caches is None]))
+        self.before_acquire()
         self.check_acquire(live, self.service.acquire(live.request, live.namespace))
+
+    def before_acquire(self):
+        """What a machine notes before an acquire, to judge it after (nothing, by default)."""
 
     @precondition(lambda self: any(live.caches is not None for live in self.live))
     @rule(data=st.data(), extra=st.lists(st.integers(0, 3), max_size=6).map(tuple))
@@ -345,10 +350,13 @@ class TieredServiceMachine(BaseMachine):
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
                                  "files": self.files})
 
-    def held_listing(self):
+    def held_listing(self, disk=True):
         state = self.service.state
         return ([(ns, t, trim) for ns, t, _, trim in state.ram.index.items()]
-                + [(ns, t, trim) for ns, t, _, trim in state.disk.index.items()])
+                + ([(ns, t, trim) for ns, t, _, trim in state.disk.index.items()] if disk else []))
+
+    def before_acquire(self):
+        self.read_errors_before = self.service.state.counters.read_errors
 
     def check_acquire(self, live, state):
         prompt = live.request.prompt
@@ -357,7 +365,9 @@ class TieredServiceMachine(BaseMachine):
         if not live.request.reuses_prefix:
             assert reused == 0
         else:
-            assert reused == longest_usable(self.held_listing(), live.namespace, prompt)
+            # A read that hit an I/O error leaves the file on disk; the request falls back to RAM.
+            failed_read = self.service.state.counters.read_errors > self.read_errors_before
+            assert reused == longest_usable(self.held_listing(disk=not failed_read), live.namespace, prompt)
             published = [(ns, t, True) for ns, t in self.published]
             assert reused <= longest_usable(published, live.namespace, prompt)
         live.caches = state.caches
@@ -372,6 +382,10 @@ class TieredServiceMachine(BaseMachine):
     @rule(count=st.integers(1, 4))
     def writes_complete(self, count):
         self.service.complete(self.service.interpreter.poll(count))
+
+    @rule()
+    def next_read_hits_an_io_error(self):
+        self.faults.fail_reads.add(self.service.interpreter.stats.reads + 1)
 
     @rule()
     def next_write_fails(self):

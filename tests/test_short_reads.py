@@ -81,3 +81,32 @@ def test_a_short_read_that_does_not_recur_restores_the_file(tmp_path, monkeypatc
     assert service.report().rejected_files == 0
     service.release(request)
     service.close()
+
+
+def test_an_io_error_that_recurs_leaves_a_valid_file_in_place_for_the_next_request(tmp_path, monkeypatch):
+    """EIO on the read and on its retry: the request falls back and the error is counted, but an I/O
+    error says nothing of the file, so it is neither moved aside nor forgotten; the next request
+    restores it."""
+    import errno
+
+    service = saved_service(tmp_path, verify=True)
+    directory = service.interpreter.store.directory
+    real, failures = disk_store.read_into, [2]
+
+    def failing(file, view):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(file, view)
+    monkeypatch.setattr(disk_store, "read_into", failing)
+    state = service.acquire(request := Request(PROMPT + (3,), 2), "n")
+    assert (state.source, state.reused_tokens) == (Source.FRESH, 0)
+    report = service.report()
+    assert report.read_errors == 1 and report.rejected_files == 0 and report.saved_entries == 1
+    assert list(directory.glob("prefix-*.safetensors")) and not (directory / "rejected").exists()
+    assert len(service.state.reading) == 0 and len(service.state.acquiring) == 0
+    service.release(request)
+    again = service.acquire(second := Request(PROMPT + (4,), 2), "n")
+    assert (again.source, again.reused_tokens) == (Source.DISK, len(PROMPT))
+    service.release(second)
+    service.close()

@@ -14,6 +14,7 @@ from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kep
     ObjectMissing, Pending, Source
 from kvstate.core.request import Continuation, Request
 from kvstate.core.state import OBJECTS, Phase, Residence, ServiceConfig, initial_state
+from kvstate.core.tiers import MAX_READ_ERRORS
 from kvstate.core.transitions import optional_bytes, step
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
@@ -352,6 +353,56 @@ def test_a_file_being_read_is_never_evicted_from_disk():
     core.keep((4, 5), nbytes=30)                # read by no one now: it goes
     assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (1, 2, 3)))]
     assert core.counts()["restores"] == 2
+
+
+IO_ERROR = done.FailureReason.IO_ERROR
+
+
+def test_an_io_error_on_a_restore_keeps_the_file_and_the_request_falls_back_to_ram():
+    """An I/O error is not evidence of a bad file: the entry stays on disk, the request falls back to
+    what RAM holds (not to the same file again), and the error is counted, not the file rejected."""
+    core = tiered()
+    a = on_disk_only(core, (1, 2, 3, 4))
+    b = core.keep((1, 2), nbytes=10).entry          # a shorter prefix RAM holds
+    _, handle, _ = core.acquire((1, 2, 3, 4, 9))
+    reply = core(done.RestoreFailed(a, handle, IO_ERROR))
+    assert (reply.source, reply.reused_tokens) == (Source.RAM, 2)
+    assert core.of(fx.CloneEntry) == [fx.CloneEntry(b, 2, handle)] and not core.of(fx.DeleteFile)
+    assert core.residence(a) is R.DISK and core.state.entries[a].read_errors == 1 and a not in core.state.reading
+    assert core.counts()["read_errors"] == 1 and "rejected_files" not in core.counts()
+
+
+def test_a_file_whose_reads_keep_failing_is_deleted_and_a_good_read_ends_the_run():
+    core = tiered()
+    a = on_disk_only(core, (1, 2, 3))
+    for errors in (1, 2):
+        lease, handle, _ = core.acquire((1, 2, 3, 9))
+        core(done.RestoreFailed(a, handle, IO_ERROR))
+        core(ev.Release(lease, True))
+        assert core.state.entries[a].read_errors == errors
+    lease, handle, _ = core.acquire((1, 2, 3, 9))
+    core(done.RestoreDone(a, handle))                 # a good read: the run is over
+    core(ev.Release(lease, True))
+    assert core.state.entries[a].read_errors == 0
+    for _ in range(MAX_READ_ERRORS):
+        lease, handle, _ = core.acquire((1, 2, 3, 9))
+        reply = core(done.RestoreFailed(a, handle, IO_ERROR))
+        deleted = core.of(fx.DeleteFile)
+        core(ev.Release(lease, True))
+    assert reply.source is Source.FRESH and a not in core.state.entries
+    assert deleted == [fx.DeleteFile(fx.DiskKey("n", (1, 2, 3)))]
+    assert core.counts()["read_errors"] == 2 + MAX_READ_ERRORS and core.counts()["rejected_files"] == 1
+    assert core.state.disk.bytes == 0
+
+
+def test_an_io_error_on_a_prefetch_leaves_the_entry_on_disk_and_ram_uncharged():
+    core = tiered()
+    a = on_disk_only(core, (1, 2, 3))
+    ram_before = core.state.ram.bytes
+    assert core(ev.Prefetch((1, 2, 3, 9), "n")) is True and core.residence(a) is R.PREFETCHING
+    core(done.PrefetchFailed(a, IO_ERROR))
+    assert core.residence(a) is R.DISK and core.state.ram.bytes == ram_before
+    assert core(ev.Prefetch((1, 2, 3, 9), "n")) is True  # tried again later, from the same file
 
 
 def test_a_rejected_file_is_forgotten_without_deleting_it_and_the_acquire_falls_back():
