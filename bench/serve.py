@@ -84,11 +84,17 @@ class Server:
                 time.sleep(0.3)
         raise SystemExit(f"the {kind} server did not start; see {log}")
 
-    def warm_up(self) -> None:
+    def warm_up(self, batch: int = 0, words: int = 150) -> None:
         """A short request of its own, twice (a miss, then a hit), before anything is timed: kernels
-        compiled on first use are not in the figures."""
+        compiled on first use are not in the figures. With ``batch``, then ``batch`` requests of
+        ``words`` words at once, so the shapes of a concurrent round are compiled too."""
         for _ in range(2):
             self.chat([{"role": "system", "content": "warm up"}, {"role": "user", "content": "hello"}], 4)
+        if batch:
+            with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+                list(pool.map(lambda n: self.chat([{"role": "system", "content": "warm up"},
+                                                   {"role": "user", "content": text(words, 10_000 + n)}], 4),
+                              range(batch)))
 
     def chat(self, messages: list[dict], max_tokens: int) -> dict:
         """One streamed chat completion: TTFT, tokens out, seconds, cached tokens, the reply."""
@@ -181,7 +187,7 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
     if name == "overflow":
         ram = args.overflow_ram_bytes
     server = Server(kind, model, ram, disk, log)
-    server.warm_up()
+    server.warm_up(args.warm_up_batch, args.user_words)
     try:
         if name == "chat":
             records = conversation_turns(server, args.sessions, args.turns, args.concurrency, args.user_words,
@@ -203,7 +209,7 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
                                histories=histories)
             server.stop()
             server = Server(kind, model, ram, disk, log)
-            server.warm_up()
+            server.warm_up(args.warm_up_batch, args.user_words)
             records = conversation_turns(server, args.sessions, 1, args.concurrency, args.user_words,
                                          args.max_tokens, histories=histories)
     finally:
@@ -218,6 +224,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--warm-up-batch", type=int, default=0,
+                        help="after the warm-up requests, this many at once (0: none), on both servers")
     parser.add_argument("--restart-turns", type=int, default=None,
                         help="turns of each session before the restart (default: --turns minus one)")
     parser.add_argument("--user-words", type=int, default=150)
