@@ -20,7 +20,7 @@ from kvstate.core.prefix_index import common_prefix
 from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
-from kvstate.core.tiers import read_error, read_ok, reject, touch, unpin
+from kvstate.core.tiers import read_error, reject, touch, unpin
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -166,13 +166,11 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         d.acquiring = without(d.acquiring, e.handle)
         if entry is not None:
             touch(d, entry, disk=True)
-            read_ok(d, entry.id)
         d.count("object_hits")
         d.count("object_restores")
         return Step(d.build(), (), ObjectFound(e.handle, Source.DISK))
     if entry is not None:
         touch(d, entry, disk=True)
-        read_ok(d, entry.id)
     d.count("restores")
     reply = finish_acquire(d, waiting.lease, e.handle, waiting.tokens, Source.DISK, e.entry)
     return Step(d.build(), (), reply)

@@ -121,8 +121,9 @@ def insert_disk(d: Draft, entry: Entry) -> None:
 
 
 def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
-    """``entry`` was used now: its stamp, and the policy of the tier that served it."""
-    d.set_entry(attrs.evolve(entry, last_used=d.now))
+    """``entry`` was used now: its stamp, and the policy of the tier that served it (a read of its file
+    that worked also ends its run of I/O errors)."""
+    d.set_entry(attrs.evolve(entry, last_used=d.now, read_errors=0 if disk else entry.read_errors))
     tier = d.disk if disk else d.ram
     tier.policy = tier.strategy.accessed(tier.policy, entry.id)
 
@@ -356,30 +357,22 @@ def reject(d: Draft, entry_id: int, out: list) -> None:
 MAX_READ_ERRORS = 3
 
 
-def read_error(d: Draft, entry_id: int, out: list) -> bool:
+def read_error(d: Draft, entry_id: int, out: list) -> None:
     """A read of ``entry_id``'s file hit an I/O error, which is not evidence of a bad file: the file
     stays, on disk (a prefetch's RAM charge is undone), unless its reads have now failed
-    ``MAX_READ_ERRORS`` times in a row; then it is forgotten and deleted. True if it stays."""
+    ``MAX_READ_ERRORS`` times in a row; then it is forgotten and deleted."""
     d.count("read_errors")
     entry = d.entries.get(entry_id)
     if entry is None or entry.residence not in (R.BOTH, R.DISK, R.PREFETCHING):
-        return False
+        return
     if entry.residence is R.PREFETCHING:
         d.ram.bytes -= entry.nbytes
     if entry.read_errors + 1 >= MAX_READ_ERRORS:
         d.count("rejected_files")
         drop_disk(d, entry, out, delete=True)
-        return False
+        return
     residence = moved(entry.residence, Move.READ_ERROR) if entry.residence is R.PREFETCHING else entry.residence
     d.set_entry(attrs.evolve(entry, residence=residence, read_errors=entry.read_errors + 1))
-    return True
-
-
-def read_ok(d: Draft, entry_id: int) -> None:
-    """A read of ``entry_id``'s file succeeded: its run of I/O errors is over."""
-    entry = d.entries.get(entry_id)
-    if entry is not None and entry.read_errors:
-        d.set_entry(attrs.evolve(entry, read_errors=0))
 
 
 def prefetch_failed(d: Draft, e: done.PrefetchFailed) -> tuple[list, object]:

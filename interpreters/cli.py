@@ -37,22 +37,34 @@ def _version() -> str:
     return __version__
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _read_trace(args: argparse.Namespace, command: str):
+    """The trace ``args`` names (the bundled one by default), cut to ``--limit``; None, with a
+    one-line message, for one that cannot be read or holds no requests."""
     from kvstate.interpreters.lab import traces
-    from kvstate.interpreters.replay import replay, replay_service
-    from kvstate.interpreters.simulator import CostModel
     from kvstate.interpreters.traces import bundled
 
     path = args.trace or str(bundled())
-    if args.trace is None:
-        print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
     try:
         trace = traces.read(path)
     except (OSError, traces.TraceFormatError, UnicodeDecodeError) as error:
-        print(f"kvstate replay: cannot read the trace: {error}", file=sys.stderr)
-        return 2
+        print(f"kvstate {command}: cannot read the trace: {error}", file=sys.stderr)
+        return None
+    if args.trace is None:
+        print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
+    if args.limit is not None:
+        trace = traces.Trace(trace.name, trace.requests[:args.limit])
     if not trace.requests:
-        print(f"kvstate replay: {path} holds no requests", file=sys.stderr)
+        print(f"kvstate {command}: {path} holds no requests", file=sys.stderr)
+        return None
+    return trace
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvstate.interpreters.replay import replay, replay_service
+    from kvstate.interpreters.simulator import CostModel
+
+    trace = _read_trace(args, "replay")
+    if trace is None:
         return 2
     service = replay_service(args.model, ram_bytes=args.ram, disk_bytes=args.disk, kv_budget_bytes=args.budget,
                              policy=args.policy)
@@ -61,7 +73,7 @@ def _replay(args: argparse.Namespace) -> int:
         if done % 1000 == 0:
             print(f"  ... {done} requests", file=sys.stderr, flush=True)
 
-    result = replay(trace.requests, service, limit=args.limit, progress=progress)
+    result = replay(trace.requests, service, progress=progress)
     service.close()
     cost = CostModel()
     print(f"model {args.model}, policy {args.policy}, RAM {args.ram / (1 << 30):.1f} GiB"
@@ -84,26 +96,17 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvstate.interpreters.lab import traces
     from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
     from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, unbounded
-    from kvstate.interpreters.traces import bundled
     from kvstate.models.catalogue import model_spec
 
     if args.synthetic:
         trace = traces.SYNTHETIC[args.synthetic](args.requests, seed=args.seed)
         print(f"replaying {trace.name}: {len(trace.requests)} generated requests")
+        if args.limit is not None:
+            trace = traces.Trace(trace.name, trace.requests[:args.limit])
     else:
-        path = args.trace or str(bundled())
-        try:
-            trace = traces.read(path)
-        except (OSError, traces.TraceFormatError, UnicodeDecodeError) as error:
-            print(f"kvstate simulate: cannot read the trace: {error}", file=sys.stderr)
+        trace = _read_trace(args, "simulate")
+        if trace is None:
             return 2
-        if args.trace is None:
-            print(f"no trace given: replaying the bundled Mooncake conversation trace ({path})")
-    if args.limit is not None:
-        trace = traces.Trace(trace.name, trace.requests[:args.limit])
-    if not trace.requests:
-        print(f"kvstate simulate: {trace.name} holds no requests", file=sys.stderr)
-        return 2
     model = model_spec(args.model)
     known = BLOCK_POLICIES if args.granularity == "block" else PREFIX_POLICIES
     policies = [p.strip().lower() for p in (args.policy or ",".join(known)).split(",") if p.strip()]

@@ -527,15 +527,12 @@ class DiskStore:
                 raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
             if got != size:
                 raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {got} of its {size} bytes")
-            return described, self._decoded(path, data, metadata, tensors)
-
-    def _decoded(self, path: Path, data: np.ndarray, metadata: dict[str, str], tensors: dict[str, Any]) -> list:
-        try:
-            return self._decode(path, data, metadata, tensors)
-        except RejectedFile:
-            raise
-        except Exception as error:  # noqa: BLE001 - a header that passed its checks and still fails to build
-            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: cannot be rebuilt ({error!r})") from None
+            try:
+                return described, self._decode(path, data, metadata, tensors)
+            except RejectedFile:
+                raise
+            except Exception as error:  # noqa: BLE001 - a header that passed its checks and still fails to build
+                raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: cannot be rebuilt ({error!r})") from None
 
     def _decode(self, path: Path, data: np.ndarray, metadata: dict[str, str], tensors: dict[str, Any]) -> list:
         (length,) = struct.unpack("<Q", data[:8].tobytes())

@@ -118,17 +118,17 @@ class KvStatePromptCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
         """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
-        namespace = self._announced_namespace(tuple(tokens))
-        if model != self.model_key or not tokens or not prompt_cache:
+        key = tuple(tokens)
+        namespace = self._announced_namespace(key)
+        if model != self.model_key or not key or not prompt_cache:
             return
         started = time.perf_counter()
         covered = mlx_caches.covered(prompt_cache)
-        if covered is not None and covered != len(tokens):
+        if covered is not None and covered != len(key):
             # At the end of a generation the last sampled token is not in the caches yet.
-            if covered > len(tokens) or covered == 0:
+            if covered > len(key) or covered == 0:
                 return
-            tokens = tokens[:covered]
-        key = tuple(tokens)
+            key = key[:covered]
         request = Request(key, 1)
         try:
             kept = self.service.publish(request, namespace, key, prompt_cache)
