@@ -18,6 +18,7 @@ peer's fetch and insert. ``--no-gc`` keeps the cyclic garbage collector off
 while timing.
 
     python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
+    python bench/decisions.py --parts
 """
 
 from __future__ import annotations
@@ -96,6 +97,48 @@ def measure(entries: int, samples: int) -> dict[str, list[float]]:
     return times
 
 
+def parts(entries: int = 1000, samples: int = 300) -> None:
+    """What one request's decisions spend, each part timed on its own (``--parts``)."""
+    import array
+    import operator
+    import timeit
+
+    service, _ = build(entries, samples)
+    tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
+    prompts = [entry_tokens((k * 7919) % entries) + tail for k in range(samples)]
+    requests = [Request(p, 256) for p in prompts]
+    calls: dict[str, list[float]] = {"admit": [], "acquire hit": [], "release": []}
+    for request in requests:
+        calls["admit"].append(timed(lambda: service.admit(request)))
+        calls["acquire hit"].append(timed(lambda: service.acquire(request, "bench")))
+        calls["release"].append(timed(lambda: service.release(request)))
+    print(f"{samples} fresh {PROMPT}-token requests in a tight loop, {entries:,} entries, µs per call (median):")
+    for name, values in calls.items():
+        print(f"  {name:44} {statistics.median(values):8.1f}")
+
+    def best(call, number=500) -> float:
+        return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
+    prompt, index = prompts[0], service.state.ram.index
+    twin = tuple(range(10**9, 10**9 + PROMPT))
+    other = tuple(range(10**9, 10**9 + PROMPT))
+    table = tuple(range(1 << 18))
+    raw = list(range(100_000, 100_000 + PROMPT))
+    interned = tuple(map(table.__getitem__, raw))
+    interned_too = tuple(map(table.__getitem__, list(range(100_000, 100_000 + PROMPT))))  # same ints, one copy
+    print("  parts, µs each (best of 5):")
+    rows = {
+        "index lookup of a 2,000-token hit": lambda: index.longest("bench", prompt),
+        "compare 2,000 tokens (tuple slices)": lambda: twin[:SYSTEM + TURN] == other[:SYSTEM + TURN],
+        "compare 2,000 interned tokens": lambda: interned[:SYSTEM + TURN] == interned_too[:SYSTEM + TURN],
+        f"intern {PROMPT} tokens": lambda: tuple(map(table.__getitem__, raw)),
+        f"pack {PROMPT} tokens to bytes (array)": lambda: array.array("q", raw).tobytes(),
+        f"build a {PROMPT}-token Request": lambda: Request(raw, 256),
+        "its int conversion, then min": lambda: min(tuple(map(operator.index, raw))),
+    }
+    for name, call in rows.items():
+        print(f"  {name:44} {best(call):8.1f}")
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -106,7 +149,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--no-gc", action="store_true", help="disable the cyclic GC while timing")
+    parser.add_argument("--parts", action="store_true", help="time each part of one request's decisions instead")
     args = parser.parse_args()
+    if args.parts:
+        parts()
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = {}
     for size in sizes:

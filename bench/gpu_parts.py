@@ -1,0 +1,122 @@
+"""Where a disk hit's time goes on a GPU, part by part (the figures behind bench/README.md's H200 notes).
+
+- ``h2d``: 512 MiB of bytes from host memory to the device through each path MLX offers
+  (``mx.array`` of numpy, ``mx.load`` of a safetensors file, pieces then ``concatenate``, a slice
+  assignment into a device array), each timed to the end of its first GPU use.
+- ``views``: 64 tensors of (1, 8, 4096, 128) bf16 (the 8B 4k geometry) built as a restore builds them
+  (a dtype view of a byte buffer) and otherwise, then used as a decode step uses a KV cache.
+- ``disk-hit``: the 8B geometry at 4,096 tokens; a file written by the service, then, with a freshly
+  built service each time, the acquire that restores it, and the first and second forward on the
+  restored caches.
+
+    python bench/gpu_parts.py h2d|views|disk-hit
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import mlx.core as mx
+import numpy as np
+
+
+def h2d() -> None:
+    n = 512 << 20
+    host = np.frombuffer(os.urandom(n), dtype=np.uint8).copy()
+    path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+    mx.save_safetensors(path, {"x": mx.array(host)})
+    mx.eval(mx.sum(mx.array(host[:1024])))  # kernels compiled before anything is timed
+
+    def into_device():
+        out = mx.zeros((n,), dtype=mx.uint8)
+        mx.eval(out)
+        out[:] = mx.array(host)
+        return out
+
+    def in_pieces(count=8):
+        step = n // count
+        return mx.concatenate([mx.array(host[i * step:(i + 1) * step]) for i in range(count)])
+    for name, make in (("mx.array(numpy)", lambda: mx.array(host)), ("mx.array(numpy) + 0", lambda: mx.array(host) + 0),
+                       ("mx.load(safetensors)", lambda: mx.load(path)["x"]), ("8 pieces, concatenate", in_pieces),
+                       ("zeros on device, slice-assign", into_device),
+                       ("mx.array(memoryview)", lambda: mx.array(memoryview(host)))):
+        for _ in range(3):
+            start = time.perf_counter()
+            x = make()
+            mx.eval(x)
+            built = time.perf_counter()
+            mx.eval(mx.sum(x.view(mx.uint32)))
+            used = time.perf_counter()
+            print(f"{name:32} build {1e3 * (built - start):7.1f} ms, first GPU use {1e3 * (used - built):6.1f} ms, "
+                  f"{n / (used - start) / 1e9:5.2f} GB/s end to end", flush=True)
+
+
+def views() -> None:
+    shape, count = (1, 8, 4096, 128), 64
+    nbytes = int(np.prod(shape)) * 2
+    host = [np.frombuffer(os.urandom(nbytes), dtype=np.uint8).copy() for _ in range(count)]
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    new = mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16)
+    mx.eval(q, new)
+
+    def use(tensors):
+        out = []
+        for i in range(0, count, 2):
+            k, v = (mx.concatenate([t, new], axis=2) for t in (tensors[i], tensors[i + 1]))
+            out.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088))
+        mx.eval(out)
+    builds = {"view of uint8 (as restored)": lambda: [mx.view(mx.array(h), mx.bfloat16).reshape(shape) for h in host],
+              "view, then contiguous": lambda: [mx.contiguous(mx.view(mx.array(h), mx.bfloat16).reshape(shape))
+                                                for h in host],
+              "view, then + 0": lambda: [mx.view(mx.array(h), mx.bfloat16).reshape(shape) + 0 for h in host],
+              "made on device": lambda: [mx.zeros(shape, dtype=mx.bfloat16) + i for i in range(count)]}
+    for name, build in builds.items():
+        for _ in range(3):
+            start = time.perf_counter()
+            tensors = build()
+            mx.eval(tensors)
+            built = time.perf_counter()
+            use(tensors)
+            used = time.perf_counter()
+            use(tensors)
+            print(f"{name:30} build {1e3 * (built - start):7.1f} ms, first use {1e3 * (used - built):7.1f} ms, "
+                  f"second use {1e3 * (time.perf_counter() - used):6.1f} ms", flush=True)
+
+
+def disk_hit() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu
+    from kvstate import Request
+    from kvstate.interpreters import mlx_caches
+
+    directory = tempfile.mkdtemp()
+    gpu.writer_phase("8b", [4096], directory, 1)
+    model, config = gpu.build("8b")
+    prompt = gpu.prompt_of(4096, salt=4096)
+
+    def forward(caches, token):
+        start = time.perf_counter()
+        mx.eval(mx.argmax(model(mx.array([[token]]), cache=caches)[0, -1]))
+        return 1e3 * (time.perf_counter() - start)
+    for i in range(3):
+        service = gpu.service_for(model, config, directory)  # as bench/gpu.py's reader builds it
+        request = Request(prompt + (50 + i,), 16)
+        start = time.perf_counter()
+        state = service.acquire(request, "bench")
+        mx.eval(mlx_caches.arrays_of(state.caches))
+        acquired = 1e3 * (time.perf_counter() - start)
+        print(f"run {i}: acquire {acquired:.1f} ms ({state.source.value}, {state.reused_tokens} tokens), "
+              f"first forward {forward(state.caches, 50 + i):.1f} ms, second {forward(state.caches, 60 + i):.1f} ms",
+              flush=True)
+        service.release(request)
+        service.close()
+
+
+if __name__ == "__main__":
+    parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit}
+    if len(sys.argv) != 2 or sys.argv[1] not in parts:
+        raise SystemExit(f"usage: python bench/gpu_parts.py {'|'.join(parts)}")
+    parts[sys.argv[1]]()
