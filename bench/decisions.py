@@ -15,7 +15,7 @@ microseconds per call, each median as a ratio to a plain dict lookup keyed by
 the prompt (hashing it once, the least any cache keyed by tokens does), and
 kvstate's request (admit + acquire hit + release) and publish as ratios of the
 peer's fetch and insert. ``--no-gc`` keeps the cyclic garbage collector off
-while timing.
+while timing; ``--no-peer`` times kvstate alone.
 
     python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
     python bench/decisions.py --parts
@@ -44,15 +44,16 @@ def entry_tokens(i: int) -> tuple[int, ...]:
     return system + tuple(range(10**9 + i * TURN, 10**9 + (i + 1) * TURN))
 
 
-def build(entries: int, samples: int) -> tuple[KvCacheService, LRUPromptCache]:
+def build(entries: int, samples: int, with_peer: bool = True) -> tuple[KvCacheService, LRUPromptCache | None]:
     capacity = SPEC.bytes_for(SYSTEM + TURN) * entries + SPEC.bytes_for(PROMPT) * (samples + 8)
     service = KvCacheService.simulated(SPEC, ram_bytes=capacity, kv_budget_bytes=SPEC.bytes_for(PROMPT + 256) * 4096)
-    peer = LRUPromptCache(max_size=1 << 62)
+    peer = LRUPromptCache(max_size=1 << 62) if with_peer else None
     for i in range(entries):
         tokens = entry_tokens(i)
         service.publish(Request(tokens, 1), "bench", tokens, SimCaches(tokens, SPEC))
-        peer.insert_cache("bench", list(tokens), [])
-    assert service.report().entries == entries and len(peer) == entries
+        if peer is not None:
+            peer.insert_cache("bench", list(tokens), [])
+    assert service.report().entries == entries and (peer is None or len(peer) == entries)
     return service, peer
 
 
@@ -62,8 +63,8 @@ def timed(call) -> float:
     return (time.perf_counter_ns() - start) / 1000
 
 
-def measure(entries: int, samples: int) -> dict[str, list[float]]:
-    service, peer = build(entries, samples)
+def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, list[float]]:
+    service, peer = build(entries, samples, with_peer)
     times: dict[str, list[float]] = {"admit": [], "acquire hit": [], "acquire miss": [], "publish": [],
                                      "release": [], "request": [], "index lookup": [], BASELINE: [],
                                      PEER_FETCH: [], PEER_INSERT: []}
@@ -88,13 +89,15 @@ def measure(entries: int, samples: int) -> dict[str, list[float]]:
         times["request"].append(times["admit"][-1] + times["acquire hit"][-1] + times["release"][-1])
         times["index lookup"].append(timed(lambda: index.longest("bench", hit_prompt)))
         times[BASELINE].append(timed(lambda: table.get(hit_prompt)))
+        service.release(miss)
+        if peer is None:
+            continue
         listed_hit, listed_miss = list(hit_prompt), list(miss_prompt)
         fetched = []
         times[PEER_FETCH].append(timed(lambda: fetched.append(peer.fetch_nearest_cache("bench", listed_hit))))
         assert len(listed_hit) - len(fetched[0][1]) == SYSTEM + TURN
         times[PEER_INSERT].append(timed(lambda: peer.insert_cache("bench", listed_miss, [])))
-        service.release(miss)
-    return times
+    return {name: values for name, values in times.items() if values}
 
 
 def parts(entries: int = 1000, samples: int = 300) -> None:
@@ -149,6 +152,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--no-gc", action="store_true", help="disable the cyclic GC while timing")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="time kvstate alone (the peer's trie needs tens of GB at 100k entries)")
     parser.add_argument("--parts", action="store_true", help="time each part of one request's decisions instead")
     args = parser.parse_args()
     if args.parts:
@@ -159,7 +164,7 @@ def main() -> None:
     for size in sizes:
         if args.no_gc:
             gc.disable()
-        rows[size] = measure(size, args.samples)
+        rows[size] = measure(size, args.samples, with_peer=not args.no_peer)
         gc.enable()
     ops = list(next(iter(rows.values())))
     header = f"{'operation':14}" + "".join(f"{f'{size:,} entries':>34}" for size in sizes)
@@ -173,6 +178,8 @@ def main() -> None:
                         for s in sizes)
         print(f"{op:14}{cells}")
     for ours, theirs in (("request", PEER_FETCH), ("publish", PEER_INSERT)):
+        if args.no_peer:
+            break
         cells = "".join(f"{statistics.median(rows[s][ours]) / statistics.median(rows[s][theirs]):>33.3f}x"
                         for s in sizes)
         print(f"{ours + ' / ' + theirs:14}{cells}")

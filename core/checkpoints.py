@@ -67,22 +67,24 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
     return Step(d.build(), tuple(out), True)
 
 
-def _settled(d: Draft, key: str, tokens: int | None, file_bytes: int = 0) -> None:
-    """A checkpoint write of ``key`` finished (``tokens`` durable in a file of ``file_bytes``, which
-    replaced the one before) or failed (None)."""
+def _settled(d: Draft, key: str, written: tuple[int, int] | None) -> None:
+    """A checkpoint write of ``key`` finished (``written``: its tokens durable in a file of that many
+    bytes, which replaced the one before) or failed (None)."""
     record = d.checkpoints.get(key)
     if record is None or record.pending == 0:
         return
     share = record.pending_bytes // record.pending
     reserved = record.pending_file_bytes // record.pending
     d.disk.bytes -= reserved
-    if tokens is not None:
+    durable_tokens, file_bytes = record.durable_tokens, record.file_bytes
+    if written is not None:
+        tokens, file_bytes = written
         d.disk.bytes += file_bytes - record.file_bytes
+        durable_tokens = max(durable_tokens, tokens)
     d.checkpoints = d.checkpoints.set(key, attrs.evolve(
         record, pending=record.pending - 1, pending_bytes=record.pending_bytes - share,
-        pending_file_bytes=record.pending_file_bytes - reserved,
-        durable_tokens=max(record.durable_tokens, tokens or 0),
-        file_bytes=file_bytes if tokens is not None else record.file_bytes))
+        pending_file_bytes=record.pending_file_bytes - reserved, durable_tokens=durable_tokens,
+        file_bytes=file_bytes))
     d.writes_add(-1, -share)
 
 
@@ -96,7 +98,7 @@ def forget_checkpoint(d: Draft, key: str) -> None:
 
 def checkpoint_written(state: ServiceState, e: done.CheckpointWritten) -> Step:
     d = Draft(state)
-    _settled(d, e.key, e.tokens, e.file_bytes)
+    _settled(d, e.key, (e.tokens, e.file_bytes))
     d.count("checkpoints_written")
     d.count("bytes_written", e.file_bytes)
     return Step(d.build(), (), None)

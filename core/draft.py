@@ -88,6 +88,11 @@ class Draft:
         if by:
             self.counts[name] = self.counts.get(name, 0) + by
 
+    def new_entry_id(self) -> int:
+        """An id no entry has had (ids only have to be new)."""
+        self.next_entry += 1
+        return self.next_entry - 1
+
     def set_entry(self, entry: Entry) -> None:
         self.entries = self.entries.set(entry.id, entry)
 

@@ -137,10 +137,9 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
         if d.disk.bytes + record.file_bytes > capacity:
             out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
             continue
-        entry = Entry(d.next_entry, namespace, record.tokens, record.nbytes, record.trimmable, R.DISK, d.now, None,
+        entry = Entry(d.new_entry_id(), namespace, record.tokens, record.nbytes, record.trimmable, R.DISK, d.now, None,
                       False, content_tag(namespace, record.tokens), file_bytes=record.file_bytes)
         d.set_entry(entry)
-        d.next_entry = entry.id + 1
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)
     d.count("rejected_files", e.rejected)

@@ -23,7 +23,7 @@ import immutables
 _NO_CHILDREN: immutables.Map = immutables.Map()
 
 
-@attrs.frozen(slots=True, weakref_slot=False)
+@attrs.frozen
 class Node:
     """A run of tokens shared by everything below it."""
 
@@ -39,11 +39,11 @@ _EMPTY_ROOT = Node((), _NO_CHILDREN, None, False, 0, 0)
 
 
 def common_prefix(label: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
-    """Length of the common prefix of ``label`` and ``tokens[start:]`` (slice compares, then bisection)."""
-    n = min(len(label), len(tokens) - start)
-    if tokens[start:start + n] == label[:n]:
+    """Length of the common prefix of ``label`` and ``tokens[start:]`` (a slice compare, then bisection)."""
+    n = len(label)
+    if tokens[start:start + n] == label:
         return n
-    lo, hi = 0, n  # the first lo tokens agree; the first hi do not
+    lo, hi = 0, n  # the first lo tokens agree; the first hi do not (a slice past the end is shorter)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if tokens[start + lo:start + mid] == label[lo:mid]:
@@ -150,7 +150,7 @@ def _walk(node: Node, prefix: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...]
         yield from _walk(child, tokens)
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class PrefixIndex:
     """Kept prefixes by namespace: insert, remove, exact and longest-usable lookup, all persistent."""
 

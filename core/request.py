@@ -20,7 +20,7 @@ def as_tokens(tokens: object, what: str = "prompt", known: tuple[int, ...] = ())
     ``known`` is a token tuple already checked (a request's prompt): a tuple
     that starts with it has only its remaining tokens checked.
     """
-    if known and type(tokens) is tuple and len(tokens) >= len(known) and tokens[:len(known)] == known:
+    if known and type(tokens) is tuple and tokens[:len(known)] == known:
         if len(tokens) > len(known):
             as_tokens(tokens[len(known):], what)
         return tokens

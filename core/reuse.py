@@ -57,7 +57,7 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     out: list = []
     if record is not None and record.durable_tokens > 0:
         out.append(fx.ResumeCheckpoint(key, e.handle))
-        reply = wait_for(d, e.lease, e.handle, 0)
+        reply = wait_for(d, e.lease, e.handle, None)
     else:
         reply = plan_acquire(d, e.lease, e.handle, out)
     return Step(d.build(), tuple(out), reply)
@@ -78,7 +78,7 @@ def _admitted_implicitly(d: Draft, lease: Lease) -> Lease:
     return attrs.evolve(lease, admitted=True, admitted_bytes=need)
 
 
-def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int) -> Pending:
+def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int | None) -> Pending:
     """Park an acquire (or an object get: ``lease_id`` None) until the read into ``handle`` completes."""
     if lease_id is not None:
         d.lease_set(lease_id, attrs.evolve(d.leases[lease_id], pending_handle=handle))
@@ -101,7 +101,7 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, out: list, from_disk: boo
     own = _session_entry(d, request, namespace)
     if own is not None and not from_disk and own.residence not in IN_RAM:
         own = None
-    if own is not None and best > 0 and usable_length(own, request.prompt) >= best:
+    if own is not None and usable_length(own, request.prompt) >= best:
         # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
         if own.residence in IN_RAM:
             ram_len, ram_entry, disk_len = best, own.id, 0

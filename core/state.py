@@ -26,7 +26,7 @@ from kvstate.core.request import Request
 from kvstate.core.retention import Retention
 from kvstate.models.spec import ModelSpec
 
-GiB = 1 << 30
+GiB = 1024 ** 3
 
 
 class Residence(enum.Enum):
@@ -126,7 +126,7 @@ class ServiceConfig:
     demote_idle_after: float | None = None
     checkpoint_every_tokens: int | None = None
     identity: str = ""
-    retention: Retention | None = attrs.field(default=None, eq=False)
+    retention: Retention | None = None
 
     def __attrs_post_init__(self) -> None:
         def size(name: str, value: Any, optional: bool) -> None:
@@ -163,7 +163,7 @@ class ServiceConfig:
         return self.has_disk and self.checkpoint_every_tokens is not None
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class Entry:
     """One kept prefix: what it covers, its bytes, and where it is."""
 
@@ -177,17 +177,18 @@ class Entry:
     session: str | None
     protected: bool
     tag: int
-    #: Drop the RAM copy once the write in flight is durable (idle demotion, pressure).
-    demote: bool = False
     #: The bytes its saved file takes on disk (header included), as the interpreter measured it: what
     #: the disk tier charges while a write is in flight or a copy is on disk. ``nbytes`` is what RAM
     #: charges.
-    file_bytes: int = 0
+    file_bytes: int
+    #: Drop the RAM copy once the write in flight is durable (idle demotion, pressure). Every spill
+    #: sets it; it is read only while the entry is spilling.
+    demote: bool = False
     #: Reads of its file that hit an I/O error in a row (an I/O error is not evidence of a bad file).
     read_errors: int = 0
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class Lease:
     """A live request: its projected bytes, and where its ``acquire`` stands."""
 
@@ -202,7 +203,7 @@ class Lease:
     checkpoint_key: str | None = None
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class CheckpointRecord:
     """What the service knows of one generation's checkpoints."""
 
@@ -215,7 +216,7 @@ class CheckpointRecord:
     pending_file_bytes: int = 0
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class Counters:
     """Monotonic counts the report shows."""
 
@@ -252,7 +253,7 @@ class Counters:
 EMPTY: immutables.Map = immutables.Map()
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class Tier:
     """One tier of kept state (RAM or disk): the index of what it holds, the bytes it charges against
     its capacity, and its eviction policy with that policy's state."""
@@ -260,15 +261,15 @@ class Tier:
     index: PrefixIndex
     bytes: int
     capacity: int
-    strategy: EvictionPolicy = attrs.field(eq=False)
-    policy: Any = attrs.field(eq=False)
+    strategy: EvictionPolicy
+    policy: Any
 
     @classmethod
     def empty(cls, capacity: int, strategy: EvictionPolicy) -> "Tier":
         return cls(PrefixIndex(), 0, capacity, strategy, strategy.empty(capacity))
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class Writes:
     """Writes to disk in flight (spills and checkpoints) and the RAM bytes they hold in the queue."""
 
@@ -276,15 +277,16 @@ class Writes:
     bytes: int = 0
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class Waiting:
-    """An acquire (``lease``) or an object get (``lease`` None) parked on a read of ``tokens`` tokens."""
+    """An acquire (``lease``) or an object get (``lease`` None) parked on a read of ``tokens`` tokens
+    (None for a checkpoint resume: its reply counts the prompt it resumes)."""
 
     lease: int | None
-    tokens: int
+    tokens: int | None
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class ServiceState:
     """Everything the service decides from, as one value."""
 

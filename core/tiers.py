@@ -62,11 +62,9 @@ def _make_room(d: Draft, tier: TierDraft, need: int, out: list, evictable: Evict
                drop: Callable[[Draft, Entry, list], None], counter: str) -> bool:
     if need > tier.capacity:
         return False
-    if tier.bytes + need <= tier.capacity:
-        return True
-    mark = d.mark()
-    local: list = []
+    mark, local = None, []
     while tier.bytes + need > tier.capacity:
+        mark = mark or d.mark()  # taken once, only when something has to go
         policy, chosen = victim(tier, d.entries, evictable, protect)
         if chosen is None:
             d.rollback(mark)
@@ -84,7 +82,7 @@ def _make_room(d: Draft, tier: TierDraft, need: int, out: list, evictable: Evict
 def drop_ram(d: Draft, entry: Entry, out: list) -> None:
     """Release ``entry``'s RAM copy: gone if it had no disk copy, disk-only otherwise."""
     out.append(fx.DropEntry(entry.id))
-    _leave(d, d.ram, entry, entry.nbytes, moved(entry.residence, Move.DROP_RAM), demote=False)
+    _leave(d, d.ram, entry, entry.nbytes, moved(entry.residence, Move.DROP_RAM))
 
 
 def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
@@ -183,10 +181,9 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.ram.bytes += entry.nbytes
         out.append(fx.AdoptPublished(handle, entry.id))
     else:
-        entry = Entry(d.next_entry, namespace, tokens, nbytes, trimmable, R.RAM, d.now, session, protected,
+        entry = Entry(d.new_entry_id(), namespace, tokens, nbytes, trimmable, R.RAM, d.now, session, protected,
                       tag, file_bytes=file_bytes)
         d.set_entry(entry)
-        d.next_entry = entry.id + 1
         d.ram.bytes += nbytes
         insert_ram(d, entry)
         out.append(fx.AdoptPublished(handle, entry.id))
@@ -235,7 +232,7 @@ def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
         return [], None
     d.writes_add(-1, -entry.nbytes)
     d.disk.bytes -= entry.file_bytes
-    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), demote=False))
+    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED)))
     d.count("failed_writes")
     return [], None
 
@@ -386,6 +383,6 @@ def prefetch_failed(d: Draft, e: done.PrefetchFailed) -> tuple[list, object]:
 
 def unpin(d: Draft, entry_id: int) -> None:
     """One restore of ``entry_id`` is over: one pin fewer on its file."""
-    count = d.reading.get(entry_id, 0)
-    d.reading = d.reading.set(entry_id, count - 1) if count > 1 else (
-        d.reading.delete(entry_id) if entry_id in d.reading else d.reading)
+    count = d.reading.get(entry_id)
+    if count is not None:
+        d.reading = d.reading.set(entry_id, count - 1) if count > 1 else d.reading.delete(entry_id)

@@ -124,6 +124,12 @@ def test_a_padding_step_that_is_not_a_positive_int_is_refused(step):
         KvCacheService.simulated(SPEC, ram_bytes=0, batch_padding_step=step)
 
 
+def test_a_padding_step_of_one_token_pads_nothing():
+    service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=BUDGET, batch_padding_step=1)
+    assert service.admit(Request(tuple(range(1, 11)), 5))
+    assert service.report().projected_bytes == SPEC.bytes_for(15)
+
+
 def test_a_measure_that_is_not_bytes_is_refused_and_changes_nothing():
     service = KvCacheService.simulated(SPEC, ram_bytes=0, kv_budget_bytes=BUDGET, batch_padding_step=STEP)
     before = service.state

@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 
 from kvstate.core.policies import POLICIES, UnknownPolicy, policy
 from kvstate.core.policies.base import StampQueue
+from kvstate.core.policies.s3fifo import GHOST_SHARE, MAX_FREQ
 from tests.reference import NaiveFIFO, NaiveGDSF, NaiveLFU, NaiveLRU, NaiveS3FIFO, NaiveSIEVE
 
 CAPACITY = 100
@@ -255,3 +256,28 @@ def test_gdsf_counts_its_heap_items_exactly_through_rebuilds():
     assert rebuilt >= 3
     state, victim = strategy.evict(state, lambda k: True)
     assert victim is not None and heap_nodes(state.heap) == state.items
+
+
+def test_s3fifo_evicts_a_main_key_at_the_highest_use_count_when_it_is_the_only_key():
+    """Each pass over main takes one use off a key; a key at the top count still goes in the end."""
+    s3fifo = policy("s3fifo")
+    state = s3fifo.empty(10)                       # small queue: 1 byte
+    state = s3fifo.inserted(state, 1, 1, 1.0, 101)  # into small
+    state = s3fifo.inserted(state, 2, 1, 1.0, 102)  # small is full before any eviction: into main
+    for _ in range(5):
+        state = s3fifo.accessed(state, 2)
+    assert state.freq[2] == MAX_FREQ                # a 2-bit counter: capped
+    state = s3fifo.removed(state, 1)
+    state, victim = s3fifo.evict(state, lambda key: True)
+    assert victim == 2 and 2 not in state.stamps
+
+
+@pytest.mark.parametrize("size, remembered", [(9, True), (10, False)])
+def test_s3fifo_ghost_remembers_content_up_to_its_own_bound(size, remembered):
+    """The ghost stands for 0.9 x capacity bytes: content of exactly that size is remembered."""
+    s3fifo = policy("s3fifo")
+    state = s3fifo.empty(10)
+    assert int(GHOST_SHARE * 10) == 9
+    state = s3fifo.inserted(state, 1, size, 1.0, 101)   # into small, never used
+    state, victim = s3fifo.evict(state, lambda key: True)
+    assert victim == 1 and (101 in state.ghost_tags) is remembered

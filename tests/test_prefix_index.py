@@ -43,6 +43,10 @@ def test_longest_usable_matches_a_naive_scan(ops, prompts):
                     assert tokens == prompt[:length]
             else:
                 assert entry is None
+            strict_prefixes = sorted((len(t), e, trim) for (ns, t), (e, trim) in naive.items()
+                                     if ns == namespace and len(t) < len(prompt) and prompt[:len(t)] == t)
+            assert sorted(index.prefixes_of(namespace, prompt)) == strict_prefixes
+            assert index.exact(namespace, prompt) == naive.get((namespace, prompt), (None,))[0]
     assert sorted((ns, t, e, trim) for ns, t, e, trim in index.items()) == \
         sorted((ns, t, e, trim) for (ns, t), (e, trim) in naive.items())
     # Old versions never change (persistence).

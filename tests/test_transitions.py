@@ -9,7 +9,8 @@ import attrs
 import pytest
 
 from kvstate.core import events as ev
-from kvstate.core.errors import CheckpointNotAllowed, OverBudget, RequestKeepsNoState, TokensDoNotMatchCaches
+from kvstate.core.errors import CheckpointNotAllowed, InvalidRequest, OverBudget, RequestKeepsNoState, \
+    TokensDoNotMatchCaches
 from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, \
     ObjectMissing, Pending, Source
 from kvstate.core.request import Continuation, Request
@@ -120,6 +121,75 @@ def test_a_service_without_ram_keeps_nothing_and_says_so_before_publish():
         core.keep((1, 2))
 
 
+@pytest.mark.parametrize("measure", [-1, "100", True, 1.5])
+def test_a_batch_measure_is_a_non_negative_int_of_bytes(measure):
+    core = Core(kv_budget_bytes=SPEC.bytes_for(100))
+    core(ev.Admit(1, Request(tuple(range(10)), 10)))
+    before = core.state
+    with pytest.raises(InvalidRequest, match="batch measure"):
+        core(ev.BatchMeasured(measure))
+    assert core.state == before
+    assert core(ev.BatchMeasured(0)) is None and core.state.measured_bytes == 0  # nothing held is a measure
+
+
+def test_a_measure_taken_with_nothing_admitted_charges_nothing():
+    request = Request(tuple(range(10)), 10)
+    core = Core(kv_budget_bytes=SPEC.bytes_for(20))                  # exactly the request alone
+    core(ev.BatchMeasured(SPEC.bytes_for(5)))                        # caches of no admitted request
+    assert core.state.measured_bytes == 0
+    assert core(ev.Admit(1, request)) is Admission.ADMITTED
+
+
+def test_a_batch_measured_above_its_projection_leaves_that_much_less_room():
+    core = Core(kv_budget_bytes=SPEC.bytes_for(60))
+    core(ev.Admit(1, Request(tuple(range(10)), 10)))                 # projected: 20 positions
+    core(ev.BatchMeasured(SPEC.bytes_for(30)))                       # the batch really holds 30
+    assert core(ev.Admit(2, Request(tuple(range(21)), 10))) is Admission.WAIT      # 20 + 31 + 10 > 60
+    assert core(ev.Admit(3, Request(tuple(range(20)), 10))) is Admission.ADMITTED  # 20 + 30 + 10: exactly
+
+
+def test_a_release_takes_its_share_off_the_last_measure():
+    core = Core(kv_budget_bytes=SPEC.bytes_for(1000))
+    first, second = Request(tuple(range(10)), 10), Request(tuple(range(20)), 10)
+    core(ev.Admit(1, first))
+    core(ev.Admit(2, second))
+    projected = core.state.projected_bytes
+    core(ev.BatchMeasured(projected + 100))                          # the batch holds more than projected
+    core(ev.Release(1, completed=True))
+    assert core.state.measured_bytes == projected + 100 - SPEC.bytes_for(20)
+    assert core(ev.ReportQuery()).measured_bytes == core.state.measured_bytes
+    core(ev.Release(2, completed=True))
+    assert (core.state.projected_bytes, core.state.measured_bytes) == (0, 0)
+
+
+def test_a_measure_smaller_than_the_released_share_goes_to_zero_not_below():
+    core = Core(kv_budget_bytes=SPEC.bytes_for(1000))
+    core(ev.Admit(1, Request(tuple(range(10)), 10)))
+    core(ev.Admit(2, Request(tuple(range(20)), 10)))
+    core(ev.BatchMeasured(5))                                        # measured before the caches grew
+    core(ev.Release(1, completed=True))
+    assert core.state.projected_bytes == SPEC.bytes_for(30) and core.state.measured_bytes == 0
+
+
+def test_close_lets_go_of_the_running_requests_and_their_measure():
+    core = Core(kv_budget_bytes=SPEC.bytes_for(1000))
+    core(ev.Admit(1, Request(tuple(range(10)), 10)))
+    core(ev.BatchMeasured(SPEC.bytes_for(50)))
+    core(ev.Close())
+    report = core(ev.ReportQuery())
+    assert (report.projected_bytes, report.measured_bytes, report.live_requests) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("nbytes, file_bytes", [(-1, 10), (10, -1), ("10", 10), (10, None)])
+def test_a_publish_with_sizes_that_are_not_byte_counts_is_refused(nbytes, file_bytes):
+    core = Core()
+    before = core.state
+    request = Request((1, 2), 1)
+    with pytest.raises(InvalidRequest, match="bytes"):
+        core(ev.Publish(request, "n", (1, 2), 7, 2, nbytes, True, file_bytes))
+    assert core.state == before
+
+
 # ---------------------------------------------------------------- keeping and RAM eviction
 
 
@@ -140,6 +210,14 @@ def test_a_publish_that_meets_ram_pinned_by_writes_waits_for_them_then_keeps():
     assert core(done.Synced()) == Kept(2)          # the wait is over: the write settled, room is made
     assert core.of(fx.DropEntry) == [fx.DropEntry(first)] and core.residence(first) is R.DISK
     assert core.state.deferred is None and core.counts()["evictions"] == 1
+
+
+def test_a_deferred_publish_is_decided_when_the_writes_settle_never_deferred_again():
+    core = tiered()
+    core.keep((1, 2), nbytes=40)                   # its write is in flight: pinned
+    assert core.keep((3, 4), nbytes=100) == Pending()
+    assert core(done.Synced()) == NotKept(NotKeptReason.NO_ROOM)  # still pinned when told: decided now
+    assert core.state.deferred is None and core.of(fx.DropPublished)
 
 
 def test_an_entry_that_fits_but_meets_ram_pinned_once_writes_settled_has_no_room():
@@ -405,6 +483,49 @@ def test_an_io_error_on_a_prefetch_leaves_the_entry_on_disk_and_ram_uncharged():
     assert core(ev.Prefetch((1, 2, 3, 9), "n")) is True  # tried again later, from the same file
 
 
+def test_a_prefetch_that_reads_its_file_ends_the_run_of_io_errors():
+    core = tiered()
+    a = on_disk_only(core, (1, 2, 3))
+    core(ev.Prefetch((1, 2, 3, 9), "n"))
+    core(done.PrefetchFailed(a, IO_ERROR))
+    core(ev.Prefetch((1, 2, 3, 9), "n"))
+    core(done.PrefetchDone(a))                       # read whole: the file is good
+    assert core.state.entries[a].read_errors == 0 and core.residence(a) is R.BOTH
+    assert core(ev.Boundary(pressure=True)) == GaveBack(1, 10) and core.residence(a) is R.DISK
+    for _ in range(MAX_READ_ERRORS - 1):             # a new run, one short of the limit: the file stays
+        core(ev.Prefetch((1, 2, 3, 9), "n"))
+        core(done.PrefetchFailed(a, IO_ERROR))
+    assert core.residence(a) is R.DISK and not core.of(fx.DeleteFile)
+
+
+def test_an_io_error_reported_for_an_entry_the_core_forgot_is_counted_and_changes_nothing_else():
+    core = tiered()
+    kept = core.keep((1, 2, 3)).entry                # RAM only: its write is in flight
+    before = core.state
+    core(done.PrefetchFailed(99, IO_ERROR))
+    core(done.PrefetchFailed(kept, IO_ERROR))
+    assert core.counts()["read_errors"] == 2 and core.effects == ()
+    assert core.state.entries == before.entries and core.state.disk == before.disk
+
+
+def test_disk_eviction_takes_the_policys_victim_protected_or_not():
+    def protect_short(namespace, tokens, request):
+        return len(tokens) < 3
+    core = tiered(retention=protect_short, disk_capacity_bytes=60, ram_capacity_bytes=200)
+    protected = core.keep((1, 2), nbytes=30).entry   # the oldest file: disk LRU's victim
+    core.settle_writes()
+    plain = core.keep((3, 4, 5), nbytes=30).entry
+    core.settle_writes()
+    core.keep((6, 7, 8), nbytes=30)                  # protection orders RAM, not the disk tier
+    assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (1, 2)))]
+    assert core.residence(protected) is R.RAM and core.residence(plain) is R.BOTH
+    only_protected = tiered(retention=lambda *_: True, disk_capacity_bytes=30, ram_capacity_bytes=200)
+    only_protected.keep((1, 2), nbytes=30)
+    only_protected.settle_writes()
+    only_protected.keep((3, 4), nbytes=30)           # every file is protected: one still goes
+    assert only_protected.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (1, 2)))]
+
+
 def test_a_rejected_file_is_forgotten_without_deleting_it_and_the_acquire_falls_back():
     core = tiered()
     a = on_disk_only(core, (1, 2, 3))
@@ -601,6 +722,14 @@ def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():
     assert core(ev.ObjectGet("w", 5)) == Pending(5) and core.of(fx.RestoreEntry)
 
 
+def test_a_scan_keeps_checkpoints_that_exactly_fill_the_disk_and_deletes_the_next():
+    core = tiered(disk_capacity_bytes=60)
+    metas = [fx.CheckpointMeta(f"n\x1f\x1fk{i}", "n", 2, 1, None, i, False) for i in range(3)]
+    core(done.Scanned(checkpoints=tuple(done.SavedCheckpoint(meta, 3, 30) for meta in metas)))
+    assert set(core.state.checkpoints) == {metas[0].key, metas[1].key} and core.state.disk.bytes == 60
+    assert core.effects == (fx.DeleteCheckpoint(metas[2].key),)
+
+
 def test_a_scan_that_found_nothing_rejected_nothing():
     core = tiered()
     core(done.Scanned())
@@ -726,9 +855,10 @@ def test_a_completed_generation_deletes_its_checkpoint_and_its_queued_writes():
     core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 6, 7))
     core(ev.Checkpoint(lease, 10, (1, 2, 3, 4), 4, 2, None, 6, 7))
     key = core.of(fx.WriteCheckpoint)[0].meta.key
+    assert core.state.disk.bytes == 14                     # both files reserved while written
     core(ev.Release(lease, completed=True))
     assert core.of(fx.DeleteCheckpoint) == [fx.DeleteCheckpoint(key)]
-    assert (core.state.writes.count, core.state.writes.bytes) == (0, 0)
+    assert (core.state.writes.count, core.state.writes.bytes, core.state.disk.bytes) == (0, 0, 0)
     before = core.state
     core(done.CheckpointWritten(key, 3, 7))                 # the late completion of a deleted record
     assert core.state.checkpoints == before.checkpoints and core.state.writes.count == 0

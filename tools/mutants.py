@@ -35,7 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
 TESTS = ["tests/test_transitions.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py",
-         "tests/test_lifecycle.py",
+         "tests/test_lifecycle.py", "tests/test_sharing.py", "tests/test_batch_admission.py",
+         "tests/test_objects_and_pressure.py", "tests/test_semantic_mistakes.py", "tests/test_contract.py",
+         "tests/test_core_and_lab_policies.py", "tests/test_against_libcachesim.py",
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
          "tests/test_model_check_checkpoints.py", "tests/test_model_check.py"]
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,

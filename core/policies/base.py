@@ -62,7 +62,24 @@ class UnknownPolicy(UsageError, KeyError):
 EMPTY_MAP: immutables.Map = immutables.Map()
 
 
-@attrs.frozen(slots=True)
+#: The clock of a policy state that has stamped nothing yet.
+NO_STAMP = 0
+
+
+def next_stamp(clock: int) -> int:
+    """The stamp after ``clock``. Stamps order slots and tell a live slot from a stale one, so they
+    only have to grow."""
+    return clock + 1
+
+
+def worth_compacting(slots: int, live: int) -> bool:
+    """Whether a lazy queue or heap of ``slots`` slots, ``live`` of them live, is rebuilt from its live
+    slots: once the stale ones outnumber the live ones (with some slack), so it holds memory in
+    proportion to what is kept, however long it runs."""
+    return slots > 2 * live + 64
+
+
+@attrs.frozen
 class StampQueue:
     """An append-only persistent queue of ``(key, stamp)`` with lazy deletion.
 
@@ -91,7 +108,7 @@ class StampQueue:
     def compacted(self, stamps: immutables.Map) -> "StampQueue":
         """The same live slots, stale ones dropped, when they have piled up (those behind the head
         too: the vector keeps them until it is rebuilt)."""
-        if len(self.slots) <= 2 * len(stamps) + 64:
+        if not worth_compacting(len(self.slots), len(stamps)):
             return self
         return StampQueue(pvector((key, stamp) for _, key, stamp in self.live(stamps)), 0)
 

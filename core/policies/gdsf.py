@@ -16,7 +16,7 @@ from typing import Optional
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, next_stamp, worth_compacting
 
 # A heap node: (rank, item, left, right), item = (priority, stamp, key).
 Heap = Optional[tuple]
@@ -48,7 +48,7 @@ def _pop(heap: tuple) -> tuple[tuple, Heap]:
     return heap[1], _merge(heap[2], heap[3])
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class GdsfInfo:
     uses: int
     size: int
@@ -57,7 +57,7 @@ class GdsfInfo:
     stamp: int
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class GdsfState:
     heap: Heap
     items: int            # heap items, live and stale
@@ -72,14 +72,14 @@ class GDSF(RemembersNothing):
     name = "gdsf"
 
     def empty(self, capacity: int) -> GdsfState:
-        return GdsfState(None, 0, EMPTY_MAP, 0.0, 0)
+        return GdsfState(None, 0, EMPTY_MAP, 0.0, NO_STAMP)
 
     def _set(self, state: GdsfState, key: int, uses: int, size: int, cost: float) -> GdsfState:
-        clock = state.clock + 1
+        clock = next_stamp(state.clock)
         priority = state.inflation + uses * cost / max(size, 1)
         info = state.info.set(key, GdsfInfo(uses, size, cost, priority, clock))
         heap, items = _push(state.heap, (priority, clock, key)), state.items + 1
-        if items > 2 * len(info) + 64:
+        if worth_compacting(items, len(info)):
             heap, items = None, 0
             for k, i in info.items():
                 heap, items = _push(heap, (i.priority, i.stamp, k)), items + 1

@@ -5,10 +5,10 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing, StampQueue
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, StampQueue, next_stamp
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class LfuState:
     """Per key its use count; per count a queue in order of entering that count (= last use)."""
 
@@ -25,10 +25,10 @@ class LFU(RemembersNothing):
     name = "lfu"
 
     def empty(self, capacity: int) -> LfuState:
-        return LfuState(EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, 0)
+        return LfuState(EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, NO_STAMP)
 
     def _enter(self, state: LfuState, key: int, count: int, old: int | None) -> LfuState:
-        clock = state.clock + 1
+        clock = next_stamp(state.clock)
         stamps = state.stamps.set(key, clock)
         live, buckets = state.live, state.buckets
         if old is not None and live[old] > 1:

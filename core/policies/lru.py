@@ -5,10 +5,11 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing, StampQueue, first_evictable
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, StampQueue, first_evictable, \
+    next_stamp
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class QueueState:
     """Keys in order of their stamp (last use for LRU, insertion for FIFO)."""
 
@@ -24,17 +25,22 @@ class LRU(RemembersNothing):
     requeue_on_access = True
 
     def empty(self, capacity: int) -> QueueState:
-        return QueueState(StampQueue(), EMPTY_MAP, 0)
+        return QueueState(StampQueue(), EMPTY_MAP, NO_STAMP)
 
     def inserted(self, state: QueueState, key: int, size: int, cost: float, tag: int) -> QueueState:
-        clock = state.clock + 1
-        stamps = state.stamps.set(key, clock)
-        return QueueState(state.queue.push(key, clock).compacted(stamps), stamps, clock)
+        return self._queued(state, key)
 
     def accessed(self, state: QueueState, key: int) -> QueueState:
         if not self.requeue_on_access or key not in state.stamps:
             return state
-        return self.inserted(state, key, 0, 0.0, 0)
+        return self._queued(state, key)
+
+    @staticmethod
+    def _queued(state: QueueState, key: int) -> QueueState:
+        """``key`` at the back of the queue."""
+        clock = next_stamp(state.clock)
+        stamps = state.stamps.set(key, clock)
+        return QueueState(state.queue.push(key, clock).compacted(stamps), stamps, clock)
 
     def removed(self, state: QueueState, key: int) -> QueueState:
         if key not in state.stamps:

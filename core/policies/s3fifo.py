@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, StampQueue
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, StampQueue, next_stamp
 
 SMALL_SHARE = 0.1
 GHOST_SHARE = 0.9
@@ -25,7 +25,7 @@ MAX_FREQ = 3
 PROMOTE_AT = 2
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class S3FifoState:
     small: StampQueue
     main: StampQueue
@@ -35,7 +35,6 @@ class S3FifoState:
     sizes: immutables.Map    # key -> bytes
     tags: immutables.Map     # key -> content tag
     small_bytes: int
-    small_count: int
     ghost: StampQueue        # content tags evicted from small, oldest first
     ghost_tags: immutables.Map  # tag -> stamp of its ghost slot
     capacity: int
@@ -58,8 +57,8 @@ class S3FIFO:
     name = "s3fifo"
 
     def empty(self, capacity: int) -> S3FifoState:
-        return S3FifoState(StampQueue(), StampQueue(), EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, 0, 0,
-                           StampQueue(), EMPTY_MAP, capacity, 0)
+        return S3FifoState(StampQueue(), StampQueue(), EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, EMPTY_MAP, 0,
+                           StampQueue(), EMPTY_MAP, capacity, NO_STAMP)
 
     def arriving(self, state: S3FifoState, tag: int) -> S3FifoState:
         """A miss on ``tag``: the ghost gives it up now, before evictions (which may fill the ghost)."""
@@ -86,20 +85,19 @@ class S3FIFO:
         ghost_tags = state.ghost_tags.delete(tag)
         return attrs.evolve(state, ghost_tags=ghost_tags, ghost=state.ghost.advanced(ghost_tags),
                             ghost_sizes=state.ghost_sizes.delete(tag),
-                            ghost_bytes=state.ghost_bytes - state.ghost_sizes.get(tag, 0))
+                            ghost_bytes=state.ghost_bytes - state.ghost_sizes[tag])
 
     def _queue(self, state: S3FifoState, key: int, small: bool) -> S3FifoState:
-        clock = state.clock + 1
+        clock = next_stamp(state.clock)
         stamps = state.stamps.set(key, clock)
-        was_small = state.in_small.get(key, False) and key in state.stamps
+        was_small = key in state.stamps and state.in_small[key]
         small_bytes = state.small_bytes - (state.sizes[key] if was_small else 0) + (state.sizes[key] if small else 0)
         if small:
             queues = {"small": state.small.push(key, clock).compacted(stamps), "main": state.main}
         else:
             queues = {"small": state.small, "main": state.main.push(key, clock).compacted(stamps)}
-        small_count = state.small_count - was_small + small
         return attrs.evolve(state, stamps=stamps, in_small=state.in_small.set(key, small),
-                            small_bytes=small_bytes, small_count=small_count, clock=clock, **queues)
+                            small_bytes=small_bytes, clock=clock, **queues)
 
     def accessed(self, state: S3FifoState, key: int) -> S3FifoState:
         count = state.freq.get(key)
@@ -116,7 +114,6 @@ class S3FIFO:
             state, stamps=stamps, in_small=state.in_small.delete(key), freq=state.freq.delete(key),
             sizes=state.sizes.delete(key), tags=state.tags.delete(key), total_bytes=state.total_bytes - state.sizes[key],
             small_bytes=state.small_bytes - (state.sizes[key] if small else 0),
-            small_count=state.small_count - small,
             small=state.small.advanced(stamps) if small else state.small,
             main=state.main if small else state.main.advanced(stamps))
 
@@ -128,7 +125,7 @@ class S3FIFO:
         while state.ghost_tags and state.ghost_bytes + size > bound:
             _, oldest, _ = next(state.ghost.live(state.ghost_tags))
             state = self._forget(state, oldest)
-        clock = state.clock + 1
+        clock = next_stamp(state.clock)
         ghost_tags = state.ghost_tags.set(tag, clock)
         return attrs.evolve(state, ghost=state.ghost.push(tag, clock).compacted(ghost_tags), ghost_tags=ghost_tags,
                             ghost_sizes=state.ghost_sizes.set(tag, size), ghost_bytes=state.ghost_bytes + size,
@@ -154,8 +151,9 @@ class S3FIFO:
         return state, None
 
     def _evict_small(self, state: S3FifoState, evictable: Evictable) -> tuple[S3FifoState, int | None]:
-        """Promote small keys used at least twice until one that was not goes (into the ghost)."""
-        for _ in range(len(state.stamps) + 1):
+        """Promote small keys used at least twice until one that was not goes (into the ghost). Each
+        promotion takes a key out of small, so this ends."""
+        while True:
             key = self._first(state.small, state, evictable)
             if key is None:
                 return state, None
@@ -164,18 +162,16 @@ class S3FIFO:
                 continue
             tag, size = state.tags[key], state.sizes[key]
             return self._remember(self.removed(state, key), tag, size), key
-        return state, None
 
     def _evict_main(self, state: S3FifoState, evictable: Evictable) -> tuple[S3FifoState, int | None]:
-        """Give used main keys another pass with one use less until an unused one goes."""
-        for _ in range(len(state.stamps) * (MAX_FREQ + 1) + 1):
+        """Give used main keys another pass with one use less until an unused one goes. Each pass takes
+        a use off, so this ends."""
+        while True:
             key = self._first(state.main, state, evictable)
             if key is None:
                 return state, None
             count = state.freq[key]
             if count > 0:
-                state = self._queue(attrs.evolve(state, freq=state.freq.set(key, min(count, MAX_FREQ) - 1)), key,
-                                    small=False)
+                state = self._queue(attrs.evolve(state, freq=state.freq.set(key, count - 1)), key, small=False)
                 continue
             return self.removed(state, key), key
-        return state, None

@@ -14,10 +14,11 @@ import attrs
 import immutables
 from pyrsistent import pvector
 
-from kvstate.core.policies.base import EMPTY_MAP, Evictable, RemembersNothing, StampQueue
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, StampQueue, next_stamp, \
+    worth_compacting
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen
 class SieveState:
     queue: StampQueue
     stamps: immutables.Map
@@ -33,14 +34,15 @@ class SIEVE(RemembersNothing):
     name = "sieve"
 
     def empty(self, capacity: int) -> SieveState:
-        return SieveState(StampQueue(), EMPTY_MAP, EMPTY_MAP, 0, 0, 0)
+        queue = StampQueue()
+        return SieveState(queue, EMPTY_MAP, EMPTY_MAP, queue.head, NO_STAMP, NO_STAMP)
 
     def inserted(self, state: SieveState, key: int, size: int, cost: float, tag: int) -> SieveState:
         state = self._leaving(state, key)
-        clock = state.clock + 1
+        clock = next_stamp(state.clock)
         stamps = state.stamps.set(key, clock)
         queue, hand = state.queue.push(key, clock), state.hand
-        if len(queue.slots) > 2 * len(stamps) + 64:
+        if worth_compacting(len(queue.slots), len(stamps)):
             live = list(queue.live(stamps))
             hand = sum(1 for index, _, _ in live if index < hand)
             queue = StampQueue(pvector((k, s) for _, k, s in live), 0)
@@ -82,7 +84,7 @@ class SIEVE(RemembersNothing):
         slots, head, stamps = state.queue.slots, state.queue.head, state.stamps
         visited = state.visited
         span = len(slots) - head
-        if not stamps or span <= 0:
+        if not stamps:
             return state, None
         under = self._under_hand(state)
         i = head if under is None else under
