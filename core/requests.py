@@ -49,9 +49,7 @@ def fits(state: ServiceState, e: ev.Fits):
     limit = state.config.model.context_limit
     if state.phase is not Phase.OPEN or (limit is not None and admission.wanted_tokens(request) > limit):
         return Step(state, (), False)
-    budget = state.config.kv_budget_bytes
-    if budget is not None and admission.own_bytes(state, request) > budget:
-        return Step(state, (), False)
+    # A request over the whole budget on its own has no room beside any others either.
     return Step(state, (), admission.has_room(state, admission.charge_with(state, request)))
 
 

@@ -311,6 +311,16 @@ def test_affinity_never_serves_an_own_entry_that_does_not_match_the_prompt():
     assert core.counts()["session_misses"] == 2
 
 
+def test_affinity_never_serves_an_own_entry_that_differs_only_in_its_first_token():
+    core = Core()
+    core.keep((9, 2, 3), session="s")                # agrees with the prompt everywhere but first
+    shared = core.keep((1, 2)).entry
+    _, handle, _ = core.acquire((1, 2, 3, 4), session="s")
+    assert core.of(fx.CloneEntry) == [fx.CloneEntry(shared, 2, handle)]
+    _, handle, reply = core.acquire((7, 8), session="s")  # nothing kept matches: fresh caches
+    assert reply.source is Source.FRESH and core.effects == (fx.MakeFresh(handle),)
+
+
 def test_affinity_never_trims_an_own_entry_that_cannot_be_trimmed():
     core = Core()
     prompt = (1, 2, 3, 4)
@@ -588,7 +598,11 @@ def test_a_boundary_without_pressure_gives_nothing_back():
     core.settle_writes()
     before = core.state
     for quiet in (ev.Boundary(), ev.Boundary(pressure=False)):
-        assert core(quiet) == GaveBack(0, 0) and core.state == before
+        reply = core(quiet)
+        assert reply == GaveBack(0, 0) and reply.waited is False and core.state == before
+    pressed = Core()                                  # pressure, nothing kept, no writes: nothing to wait for
+    reply = pressed(ev.Boundary(pressure=True))
+    assert reply == GaveBack(0, 0) and reply.waited is False and pressed.effects == ()
 
 
 def test_pressure_gives_back_unprotected_entries_first_and_protected_ones_last():
@@ -910,6 +924,13 @@ def test_flush_writes_every_ram_only_entry_whatever_the_write_queue_holds():
     assert len(core.of(fx.SpillEntry)) == 2 and core.of(fx.Sync)
     core.settle_writes()
     assert core(done.Synced()).durable
+
+
+def test_a_flush_writes_an_entry_that_exactly_fills_the_disk():
+    core = tiered(write_behind=False, disk_capacity_bytes=30)
+    core.keep((1, 2), nbytes=30)
+    core(ev.Flush())
+    assert len(core.of(fx.SpillEntry)) == 1 and "dropped_writes" not in core.counts()
 
 
 def test_the_disk_tier_charges_what_a_file_takes_and_ram_what_the_state_takes():
