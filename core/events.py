@@ -153,7 +153,11 @@ class ObjectPut(Event):
 
 @attrs.frozen
 class ReportQuery(Event):
-    """The counters."""
+    """The counters, with what the interpreter holds aside that the core does not track: rejected
+    files it keeps for inspection (outside every budget) and their bytes."""
+
+    rejected_held_files: int = 0
+    rejected_held_bytes: int = 0
 
 
 @attrs.frozen

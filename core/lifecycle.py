@@ -110,7 +110,7 @@ def tick(state: ServiceState, e: ev.Tick) -> Step:
 
 
 def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:
-    return Step(state, (), report(state))
+    return Step(state, (), report(state, e.rejected_held_files, e.rejected_held_bytes))
 
 
 def scanned(state: ServiceState, e: done.Scanned) -> Step:

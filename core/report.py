@@ -53,6 +53,10 @@ class Report:
     prefetches: int
     disk_evictions: int
     rejected_files: int
+    #: Rejected files kept aside for inspection (``rejected/``, bounded, outside every budget) and
+    #: the bytes they take, as the interpreter counts them.
+    rejected_held_files: int
+    rejected_held_bytes: int
     #: Writes in flight, writes not started because the queue was full, and writes that failed.
     pending_writes: int
     pending_write_bytes: int
@@ -71,8 +75,8 @@ class Report:
     budget_bytes: int | None
 
 
-def report(state: ServiceState) -> Report:
-    """The report of ``state``."""
+def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: int) -> Report:
+    """The report of ``state``, with the interpreter's count of rejected files held aside."""
     c, config = state.counters, state.config
     in_ram = ram_bytes = saved = saved_bytes = 0
     for entry in state.entries.values():
@@ -92,7 +96,8 @@ def report(state: ServiceState) -> Report:
         disk_bytes=state.disk.bytes,
         spills=c.spills, restores=c.restores, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
         read_errors=c.read_errors, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
-        rejected_files=c.rejected_files,
+        rejected_files=c.rejected_files, rejected_held_files=rejected_held_files,
+        rejected_held_bytes=rejected_held_bytes,
         pending_writes=state.writes.count, pending_write_bytes=state.writes.bytes,
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,
         checkpoints=len(state.checkpoints), checkpoint_bytes=sum(r.file_bytes for r in state.checkpoints.values()),

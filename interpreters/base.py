@@ -89,6 +89,9 @@ class Interpreter(Protocol):
     def scan(self) -> Scanned:
         """What saved state holds at start."""
 
+    def rejected_held(self) -> tuple[int, int]:
+        """Rejected files kept aside for inspection, and their bytes."""
+
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every saved prefix, read without changing anything."""
 

@@ -316,6 +316,8 @@ class DiskStore:
         private_directory(self.root)
         private_directory(self.directory)
         self.rejected: list[tuple[str, FailureReason]] = []
+        #: Files in ``rejected/`` and their bytes, as the last prune found them.
+        self.rejected_held: tuple[int, int] = (0, 0)
         self.budget = budget
         if budget is not None:
             budget.attach(self.directory)
@@ -610,19 +612,21 @@ class DiskStore:
                 found = []
                 for entry in entries:
                     try:
-                        found.append((entry.stat().st_mtime, entry.path))
+                        info = entry.stat()
                     except OSError:
                         continue
+                    found.append((info.st_mtime, entry.path, info.st_size))
         except OSError:
             return 0
         found.sort(reverse=True)
-        pruned = 0
-        for _, old in found[self.rejected_keep:]:
+        pruned, held = 0, [size for _, _, size in found[:self.rejected_keep]]
+        for _, old, size in found[self.rejected_keep:]:
             try:
                 os.unlink(old)
                 pruned += 1
             except OSError:
-                continue
+                held.append(size)
+        self.rejected_held = (len(held), sum(held))
         return pruned
 
     # ------------------------------------------------------------ scan

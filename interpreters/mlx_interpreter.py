@@ -142,6 +142,9 @@ class MlxInterpreter(HeldState):
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [] if self.store is None else self.store.saved_prefixes()
 
+    def rejected_held(self) -> tuple[int, int]:
+        return (0, 0) if self.store is None else self.store.rejected_held
+
     def scan(self) -> Scanned:
         if self.store is None:
             return Scanned()

@@ -105,7 +105,8 @@ def check_server_internals() -> Any:
 #: Report fields that go up and down; every other count only grows (a Prometheus counter).
 _GAUGES = frozenset({"entries", "bytes", "capacity_bytes", "saved_entries", "saved_bytes", "saved_capacity_bytes",
                      "disk_bytes", "pending_writes", "pending_write_bytes", "checkpoints", "checkpoint_bytes",
-                     "live_requests", "projected_bytes", "measured_bytes", "budget_bytes"})
+                     "live_requests", "projected_bytes", "measured_bytes", "budget_bytes", "rejected_held_files",
+                     "rejected_held_bytes"})
 
 
 class ReportCollector:

@@ -313,7 +313,7 @@ class KvCacheService:
 
     def report(self) -> Report:
         """The counters, as one frozen record."""
-        return self._run(ev.ReportQuery())
+        return self._run(ev.ReportQuery(*self._interpreter.rejected_held()))
 
     def flush(self) -> FlushResult:
         """Make kept state durable; ``durable`` says whether every kept prefix and checkpoint now is."""

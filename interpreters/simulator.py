@@ -122,6 +122,8 @@ class SimDisk:
     files: dict[fx.DiskKey, SimFile] = attrs.Factory(dict)
     checkpoints: dict[str, SimCheckpoint] = attrs.Factory(dict)
     rejected: list[tuple[fx.DiskKey | str, Reason]] = attrs.Factory(list)
+    #: The bytes of the files moved aside (the simulated disk keeps every one).
+    rejected_bytes: int = 0
 
     def used_bytes(self) -> int:
         """The bytes every file on it takes (prefixes, objects and checkpoints), rejected ones aside."""
@@ -209,6 +211,9 @@ class SimulatorInterpreter(HeldState):
 
     def take_object(self, handle: int) -> SimObject:
         return self._handles.pop(handle)
+
+    def rejected_held(self) -> tuple[int, int]:
+        return len(self.disk.rejected), self.disk.rejected_bytes
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every saved prefix of this identity."""
@@ -324,8 +329,9 @@ class SimulatorInterpreter(HeldState):
         return file
 
     def _move_aside(self, key: fx.DiskKey, reason: Reason) -> None:
-        self.disk.files.pop(key, None)
+        file = self.disk.files.pop(key, None)
         self.disk.rejected.append((key, reason))
+        self.disk.rejected_bytes += file.file_bytes if file is not None else 0
 
     def _restore_entry(self, e: fx.RestoreEntry) -> list:
         file = self._read(e.key)

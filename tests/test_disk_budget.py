@@ -211,3 +211,21 @@ def test_rejected_files_are_bounded_newest_kept(tmp_path):
     kept = sorted(p.name for p in store.rejected_directory.iterdir())
     assert kept == [f"prefix-bad{n}.safetensors.corrupt" for n in (3, 4, 5)]
     assert len(store.rejected) == 6  # all six were rejected and counted
+    assert store.rejected_held == (3, 3 * len(b"garbage"))  # what rejected/ holds now
+
+
+def test_the_report_counts_the_rejected_files_held_aside_and_a_restart_finds_them(tmp_path):
+    from kvstate import KvCacheService
+    from kvstate.models.reference import build
+
+    model, config = build("llama", seed=0)
+    with KvCacheService.for_mlx(model, config=config, name="m", ram_bytes=1 << 26, disk_dir=tmp_path,
+                               disk_bytes=1 << 26) as service:
+        assert (service.report().rejected_held_files, service.report().rejected_held_bytes) == (0, 0)
+        directory = service._interpreter.store.directory
+    (directory / "prefix-bad.safetensors").write_bytes(b"not a safetensors file")
+    with KvCacheService.for_mlx(model, config=config, name="m", ram_bytes=1 << 26, disk_dir=tmp_path,
+                               disk_bytes=1 << 26) as service:
+        report = service.report()
+        assert report.rejected_files == 1
+        assert (report.rejected_held_files, report.rejected_held_bytes) == (1, len(b"not a safetensors file"))

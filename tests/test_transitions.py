@@ -180,6 +180,14 @@ def test_close_lets_go_of_the_running_requests_and_their_measure():
     assert (report.projected_bytes, report.measured_bytes, report.live_requests) == (0, 0, 0)
 
 
+def test_the_report_carries_what_the_interpreter_holds_aside():
+    core = Core()
+    report = core(ev.ReportQuery())
+    assert (report.rejected_held_files, report.rejected_held_bytes) == (0, 0)
+    report = core(ev.ReportQuery(rejected_held_files=2, rejected_held_bytes=70))
+    assert (report.rejected_held_files, report.rejected_held_bytes) == (2, 70)
+
+
 @pytest.mark.parametrize("nbytes, file_bytes", [(-1, 10), (10, -1), ("10", 10), (10, None)])
 def test_a_publish_with_sizes_that_are_not_byte_counts_is_refused(nbytes, file_bytes):
     core = Core()
