@@ -1,0 +1,92 @@
+"""Faults below the file API, each at a chosen rate: a reusable fixture for the MLX disk store.
+
+:class:`DiskFaults` stands between the store and the device through the store's two storage seams:
+its writes (``write_file``, the store's argument) and its reads of saved bytes
+(``disk_store.read_into``, which :meth:`DiskFaults.installed` patches). Each call draws, from its own
+seeded generator, whether one of the enabled faults strikes:
+
+- on a read: ``eio_on_read`` (the read raises EIO), ``short_read`` (half the bytes come back),
+  ``flipped_bytes`` (the bytes come back with one bit flipped, as from a disk that lies);
+- on a write: ``enospc_on_write`` (nothing written, ENOSPC), ``eio_on_write`` (half written, then
+  EIO), ``eio_on_fsync`` (all written, the fsync fails).
+
+``injected`` counts what struck, so a test can tell a run that met faults from one that did not.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import os
+import random
+from pathlib import Path
+
+from kvstate.interpreters import disk_store
+
+READ_FAULTS = ("eio_on_read", "short_read", "flipped_bytes")
+WRITE_FAULTS = ("enospc_on_write", "eio_on_write", "eio_on_fsync")
+
+
+class DiskFaults:
+    """Reads and writes of the disk store that fail at ``rate`` (0 to 1), drawn from ``seed``."""
+
+    def __init__(self, rate: float, seed: int = 0, kinds: tuple[str, ...] = READ_FAULTS + WRITE_FAULTS):
+        unknown = set(kinds) - set(READ_FAULTS + WRITE_FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {READ_FAULTS + WRITE_FAULTS}")
+        self.rate, self.kinds = rate, tuple(kinds)
+        self.random = random.Random(seed)
+        self.injected: collections.Counter = collections.Counter()
+
+    def _strikes(self, among: tuple[str, ...]) -> str | None:
+        """The fault that strikes this call, if one does (at most one per call)."""
+        enabled = [kind for kind in among if kind in self.kinds]
+        if not enabled or self.random.random() >= self.rate:
+            return None
+        kind = self.random.choice(enabled)
+        self.injected[kind] += 1
+        return kind
+
+    # ------------------------------------------------------------ reads
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The store's reads go through these faults while the block runs."""
+        real = disk_store.read_into
+
+        def read_into(file, view: memoryview) -> int:
+            fault = self._strikes(READ_FAULTS)
+            if fault == "eio_on_read":
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            if fault == "short_read":
+                return real(file, view[:len(view) // 2])
+            count = real(file, view)
+            if fault == "flipped_bytes" and count:
+                at = self.random.randrange(count)
+                view[at] = view[at] ^ (1 << self.random.randrange(8))
+            return count
+
+        disk_store.read_into = read_into
+        try:
+            yield self
+        finally:
+            disk_store.read_into = real
+
+    # ------------------------------------------------------------ writes
+
+    def write_file(self, path: Path, chunks: list) -> None:
+        """The store's ``write_file``: :func:`disk_store.write_durably` with write faults."""
+        fault = self._strikes(WRITE_FAULTS)
+        if fault == "enospc_on_write":
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+            for n, chunk in enumerate(chunks):
+                if fault == "eio_on_write" and n >= len(chunks) // 2:
+                    out.flush()
+                    raise OSError(errno.EIO, "Input/output error (injected)")
+                out.write(memoryview(chunk))
+            out.flush()
+            if fault == "eio_on_fsync":
+                raise OSError(errno.EIO, "Input/output error on fsync (injected)")
+            os.fsync(out.fileno())
