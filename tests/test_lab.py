@@ -220,7 +220,7 @@ def test_simulate_with_no_arguments_writes_the_table_json_and_plot(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "bundled Mooncake conversation trace" in done.stdout and "(unbounded)" in done.stdout
     rows = json.loads((tmp_path / "kvstate-lab.json").read_text())
-    assert len(rows) == 8 * 5
+    assert len(rows) == len(BLOCK_POLICIES) * 5
     assert (tmp_path / "kvstate-lab.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -259,3 +259,29 @@ def test_a_sweep_on_ray_without_ray_installed_says_how_to_get_it(monkeypatch):
     with pytest.raises(RayUnavailable, match=r"kvstate\[ray\]"):
         sweep(trace, ["lru"], [parse_capacity("10", "blocks", trace, MODEL)], "block", MODEL, progress=False,
               ray="")
+
+
+prompt_chains = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chains=prompt_chains, capacity=st.integers(1, 12))
+def test_leaf_first_lru_never_evicts_a_block_that_a_held_block_extends(chains, capacity):
+    """Prompts as chains of blocks (a block's id names its whole prefix, as chained ids do): the
+    leaf-first cache evicts only blocks that no held block extends, so it cuts chains from their
+    tails, and it never holds more than its capacity."""
+    from kvstate.interpreters.lab.blocks import LeafLRUBlocks
+
+    cache, parent_of = LeafLRUBlocks(capacity), {}
+    for chain in chains:
+        blocks = [tuple(chain[:n + 1]) for n in range(len(chain))]  # a prefix names a block
+        cache.begin()
+        for before, block in zip([None] + blocks, blocks):
+            parent_of[block] = before
+            if cache.lookup(block):
+                continue
+            victim = cache.insert(block)
+            held = set(cache._parent)
+            assert len(held) <= capacity
+            assert victim is None or victim not in held
+            assert victim is None or not any(parent_of[b] == victim for b in held)

@@ -347,6 +347,63 @@ class BeladyBlocks:
         return farthest
 
 
+class LeafLRUBlocks:
+    """Prefix-aware LRU: only a leaf goes, the least recently used block no cached block extends.
+
+    A prompt's blocks are a chain, and a block serves a request only if every block before it is
+    held too (a reuse is a leading run). Plain LRU evicts a chain from its head, since a request
+    touches its first block first, and the tail it keeps serves nothing. Here a block is evictable
+    only while no cached block has it as its parent (the block before it in a request, which
+    :meth:`begin` and the access order give), so chains are cut from the tail, as SGLang's radix
+    cache evicts leaves. A parent left childless becomes the next leaf to go.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._leaves: OrderedDict = OrderedDict()  # evictable blocks, least recently used first
+        self._parent: dict[int, int | None] = {}   # cached block -> the block before it
+        self._children: dict[int, int] = {}        # block -> cached blocks that extend it
+        self._previous: int | None = None  # the block this request looked up last
+        self._before: int | None = None    # and the one before it: the parent of a block inserted now
+
+    def begin(self) -> None:
+        """A new request: its first block extends nothing."""
+        self._previous = None
+
+    def lookup(self, block: int) -> bool:
+        self._before, self._previous = self._previous, block
+        hit = block in self._parent
+        if hit and block in self._leaves:
+            self._leaves.move_to_end(block)
+        return hit
+
+    def insert(self, block: int):
+        parent = self._before
+        self._parent[block] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+            self._leaves.pop(parent, None)
+        if not self._children.get(block):
+            self._leaves[block] = None
+            if parent is not None and parent not in self._parent:
+                self._leaves.move_to_end(block, last=False)  # its prefix is gone: it serves nothing, it goes first
+        if len(self._parent) <= self.capacity:
+            return None
+        victim = next(iter(self._leaves)) if self._leaves else block
+        self._leaves.pop(victim, None)
+        above = self._parent.pop(victim)
+        if above is not None:
+            left = self._children[above] - 1
+            if left:
+                self._children[above] = left
+            else:
+                del self._children[above]
+                if above in self._parent:
+                    self._leaves[above] = None
+                    self._leaves.move_to_end(above, last=False)  # older than the child that just went
+        return victim
+
+
 def next_uses(accesses: list[int]) -> list:
     """For each access position, the position of the same block's next access (inf if none)."""
     upcoming: dict[int, int] = {}
@@ -359,4 +416,5 @@ def next_uses(accesses: list[int]) -> list:
 
 
 BLOCK_POLICIES = {"lru": LRUBlocks, "fifo": FIFOBlocks, "lfu": LFUBlocks, "s3fifo": S3FIFOBlocks,
-                  "sieve": SIEVEBlocks, "gdsf": GDSFBlocks, "arc": ARCBlocks, "belady": BeladyBlocks}
+                  "sieve": SIEVEBlocks, "gdsf": GDSFBlocks, "arc": ARCBlocks, "leaf-lru": LeafLRUBlocks,
+                  "belady": BeladyBlocks}

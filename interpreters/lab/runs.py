@@ -73,10 +73,12 @@ def run_blocks(trace: Trace, policy: str, capacity_blocks: int, disk_blocks: int
     disk = LRUBlocks(disk_blocks) if disk_blocks else None
     if disk is None and at is None and capacity_blocks:
         return _run_ram_only(trace, cache, started)
-    lookup, insert = cache.lookup, cache.insert
+    lookup, insert, begin = cache.lookup, cache.insert, getattr(cache, "begin", None)
     per_block = block_bytes(model)
     position = hits = hit_requests = reused = prompt = written = read = 0
     for request in trace.requests:
+        if begin is not None:
+            begin()
         leading, still_leading = 0, True
         for block in request.blocks:
             if at is not None:
@@ -106,9 +108,11 @@ def run_blocks(trace: Trace, policy: str, capacity_blocks: int, disk_blocks: int
 
 def _run_ram_only(trace: Trace, cache, started: float) -> Outcome:
     """The common case, one tier and an online policy: the same replay with nothing else in the loop."""
-    lookup, insert = cache.lookup, cache.insert
+    lookup, insert, begin = cache.lookup, cache.insert, getattr(cache, "begin", None)
     accesses = hits = hit_requests = reused = prompt = 0
     for request in trace.requests:
+        if begin is not None:
+            begin()
         leading, still_leading = 0, True
         for block in request.blocks:
             if lookup(block):
