@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -75,6 +76,14 @@ class RejectedFile(StorageError):
     def __init__(self, reason: FailureReason, message: str):
         super().__init__(f"{reason.value}: {message}")
         self.reason = reason
+
+
+#: The lock file a live service holds in its model directory (one writer per directory).
+WRITER = ".writer"
+
+
+class DirectoryInUse(StorageError):
+    """Another live service (in this process or another) already writes this model directory."""
 
 
 class WriteFailed(StorageError):
@@ -319,6 +328,7 @@ class DiskStore:
         #: Files in ``rejected/`` and their bytes, as the last prune found them.
         self.rejected_held: tuple[int, int] = (0, 0)
         self.budget = budget
+        self._writer: int | None = None  # the claim on the directory, while a service writes it
         if budget is not None:
             budget.attach(self.directory)
             try:
@@ -327,8 +337,35 @@ class DiskStore:
                 budget.detach(self.directory)  # a failed start leaves no live lock behind
                 raise
 
+    def claim_writer(self) -> None:
+        """Hold the model directory for this store's service alone, until :meth:`close`: two live
+        services on one directory would each keep its files within their own budget and delete
+        files the other still counts, so a second one is refused. The kernel lets go of a killed
+        process's claim. On a read-only file system, where nothing can be written or deleted, an
+        existing lock file is claimed and a missing one is not needed."""
+        try:
+            descriptor = os.open(self.directory / WRITER, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            if error.errno not in (errno.EROFS, errno.EACCES):
+                raise
+            try:
+                descriptor = os.open(self.directory / WRITER, os.O_RDONLY)
+            except FileNotFoundError:
+                return
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise DirectoryInUse(f"another live service already writes {self.directory}: give each service "
+                                 f"its own disk_dir, or close the other first") from None
+        self._writer = descriptor
+
     def close(self) -> None:
         """This store is idle from now on: its files count against the root budget and may be evicted."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            fcntl.flock(writer, fcntl.LOCK_UN)
+            os.close(writer)
         budget, self.budget = self.budget, None
         if budget is not None:
             budget.detach(self.directory)

@@ -311,8 +311,16 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
         store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget, write_file=write_file)
     elif disk_bytes is not None:
         raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
-    service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
-                                   disk_capacity_bytes=disk_bytes, policy=policy, identity=identity.encoded(),
-                                   **options)
-    return KvCacheService(service_config, MlxInterpreter(model, store=store, background_writes=background_writes),
-                          pressure=pressure)
+    try:
+        service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
+                                       disk_capacity_bytes=disk_bytes, policy=policy, identity=identity.encoded(),
+                                       **options)
+        if store is not None:
+            store.claim_writer()
+        return KvCacheService(service_config, MlxInterpreter(model, store=store,
+                                                             background_writes=background_writes),
+                              pressure=pressure)
+    except BaseException:
+        if store is not None:
+            store.close()  # a start that failed holds nothing: not the directory, not the root's lock
+        raise

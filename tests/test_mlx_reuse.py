@@ -165,6 +165,7 @@ def test_a_checkpoint_resumes_in_a_fresh_service(tmp_path):
     assert service.checkpoint(request, state.caches, prompt + generated, len(generated), pending_token=9)
     service.release(request, completed=False)
     assert service.flush().durable
+    service.close()                                   # a restart: one live service per directory
     resumed_service = service_for(model, config, tmp_path, checkpoint_every_tokens=4)
     again = Request(prompt, 16, continuation=Continuation("chat-7", seed=11))
     resumed = resumed_service.acquire(again, "n")

@@ -9,6 +9,9 @@ while the children run. Then:
 - no child restored wrong state or saw an exception other than a named ``KvStateError``;
 - every prefix a child's service held on disk after its final ``flush()`` is found again by a
   restarted service.
+
+And one model directory has one live service: a second, in this process or another, is refused
+with :class:`~kvstate.interpreters.disk_store.DirectoryInUse` until the first is closed or killed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from kvstate import KvCacheService
 from kvstate.interpreters.disk_budget import directory_bytes
@@ -108,3 +113,44 @@ def test_two_models_under_one_root_keep_their_budgets_and_lose_nothing_durable(t
                                     disk_dir=str(root), disk_bytes=DISK_BYTES) as again:
             found = sorted(list(tokens) for _, tokens in again.saved_prefixes())
         assert found == result["saved"]
+
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from kvstate import KvCacheService
+    from kvstate.models.reference import build
+    model, config = build("llama", seed=93)
+    service = KvCacheService.for_mlx(model, config=config, name="m", ram_bytes=1 << 20, disk_dir=sys.argv[1],
+                                     disk_bytes=1 << 20)
+    print("live", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_one_live_service_per_model_directory_a_second_is_refused_until_the_first_is_gone(tmp_path):
+    import signal
+
+    from kvstate.interpreters.disk_store import DirectoryInUse
+
+    model, config = build("llama", seed=93)
+
+    def start():
+        return KvCacheService.for_mlx(model, config=config, name="m", ram_bytes=1 << 20, disk_dir=str(tmp_path),
+                                      disk_bytes=1 << 20)
+    first = start()
+    with pytest.raises(DirectoryInUse, match="another live service"):
+        start()
+    assert first.report().saved_capacity_bytes == 1 << 20  # the first is untouched
+    first.close()
+    start().close()                                          # once it is closed, a new one starts
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "live", holder.stderr.read()
+        with pytest.raises(DirectoryInUse):
+            start()
+    finally:
+        holder.send_signal(signal.SIGKILL)                   # a crash: the kernel lets go of its claim
+        holder.wait(timeout=60)
+    start().close()

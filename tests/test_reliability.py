@@ -320,21 +320,23 @@ def test_a_real_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(
     service = KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, disk_dir=str(small_tmpfs),
                                      disk_bytes=64 << 20)  # the budget believes in room the device lacks
     prompts = [tuple(range(n * 100 + 1, n * 100 + 61)) for n in range(12)]
-    for prompt in prompts:
-        request = Request(prompt, 2)
-        state = service.acquire(request, "n")
-        model(mx.array([list(prompt[state.reused_tokens:])]), cache=state.caches)
-        service.publish(request, "n", prompt, state.caches)
+    with service:  # closed at the end, so the file system can be unmounted
+        for prompt in prompts:
+            request = Request(prompt, 2)
+            state = service.acquire(request, "n")
+            model(mx.array([list(prompt[state.reused_tokens:])]), cache=state.caches)
+            service.publish(request, "n", prompt, state.caches)
+            service.release(request)
+        result = service.flush()
+        report = service.report()
+        assert not result.durable and report.failed_writes >= 1 and report.spills >= 1
+        assert report.entries == len(prompts)  # every RAM copy stayed and serves
+        assert service.acquire(request := Request(prompts[-1] + (1,), 2), "n").reused_tokens == 60
         service.release(request)
-    result = service.flush()
-    report = service.report()
-    assert not result.durable and report.failed_writes >= 1 and report.spills >= 1
-    assert report.entries == len(prompts)  # every RAM copy stayed and serves
-    assert service.acquire(Request(prompts[-1] + (1,), 2), "n").reused_tokens == 60
-    files = [p for p in small_tmpfs.rglob("*") if p.is_file() and p.name.endswith(".safetensors")]
-    assert files and not [p for p in files if ".tmp-" in p.name]  # no half-written file left behind
-    scanned = DiskStore(small_tmpfs, service.interpreter.store.identity).scan()
-    assert len(scanned[0]) == report.spills and scanned[2] == 0  # each file written whole is valid
+        files = [p for p in small_tmpfs.rglob("*") if p.is_file() and p.name.endswith(".safetensors")]
+        assert files and not [p for p in files if ".tmp-" in p.name]  # no half-written file left behind
+        scanned = DiskStore(small_tmpfs, service.interpreter.store.identity).scan()
+        assert len(scanned[0]) == report.spills and scanned[2] == 0  # each file written whole is valid
 
 
 def test_a_read_only_filesystem_still_serves_what_it_holds_and_fails_writes_cleanly(roomy_tmpfs):
@@ -362,6 +364,7 @@ def test_a_read_only_filesystem_still_serves_what_it_holds_and_fails_writes_clea
     (directory / "prefix-0000.safetensors").write_bytes(b"not a saved file")
     (directory / ".prefix-0001.tmp-999999999-1.safetensors").write_bytes(b"half a write")
     subprocess.run(["mount", "-o", "remount,ro", str(roomy_tmpfs)], check=True)
+    again = None
     try:
         again = service()  # the scan can neither move the bad file aside nor remove the temp file
         report = again.report()
@@ -373,4 +376,6 @@ def test_a_read_only_filesystem_still_serves_what_it_holds_and_fails_writes_clea
         assert not result.durable and again.report().failed_writes >= 1
         assert serve(again, tuple(range(500, 540)) + (1,)).reused_tokens == 40  # the RAM copy serves
     finally:
+        if again is not None:
+            again.close()
         subprocess.run(["mount", "-o", "remount,rw", str(roomy_tmpfs)], check=True)
