@@ -601,10 +601,6 @@ class DiskStore:
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: layer {i} cannot be rebuilt") from None
         return caches
 
-    def reject_prefix(self, key: DiskKey, reason: FailureReason) -> None:
-        """Move the file of ``key`` aside: it failed in a way the store itself did not name."""
-        self.move_aside(self.prefix_path(key), reason)
-
     def read_prefix(self, key: DiskKey) -> list:
         """The caches saved under ``key``; :class:`RejectedFile` (moved aside) if they cannot be trusted."""
         described, caches = self._load(self.prefix_path(key))

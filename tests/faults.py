@@ -78,6 +78,8 @@ class DiskFaults:
     def write_file(self, path: Path, chunks: list) -> None:
         """The store's ``write_file``: :func:`disk_store.write_durably` with write faults."""
         fault = self._strikes(WRITE_FAULTS)
+        if fault is None:
+            return disk_store.write_durably(path, chunks)
         if fault == "enospc_on_write":
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
@@ -87,6 +89,4 @@ class DiskFaults:
                     raise OSError(errno.EIO, "Input/output error (injected)")
                 out.write(memoryview(chunk))
             out.flush()
-            if fault == "eio_on_fsync":
-                raise OSError(errno.EIO, "Input/output error on fsync (injected)")
-            os.fsync(out.fileno())
+        raise OSError(errno.EIO, "Input/output error on fsync (injected)")  # eio_on_fsync: all written
