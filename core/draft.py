@@ -47,7 +47,7 @@ class Draft:
     """A :class:`ServiceState` being built by one transition."""
 
     __slots__ = ("config", "ram", "disk", "entries", "leases", "projected_bytes", "measured_bytes", "writes", "reading",
-                 "acquiring", "checkpoints", "sessions", "counters", "counts", "next_entry", "now", "phase",
+                 "acquiring", "checkpoints", "sessions", "counters", "counts", "next_entry", "now", "pace", "phase",
                  "close_result", "deferred")
 
     def __init__(self, state: ServiceState):
@@ -58,7 +58,7 @@ class Draft:
         self.writes, self.reading, self.acquiring = state.writes, state.reading, state.acquiring
         self.checkpoints, self.sessions, self.counters = state.checkpoints, state.sessions, state.counters
         self.counts: dict[str, int] = {}
-        self.next_entry, self.now, self.phase = state.next_entry, state.now, state.phase
+        self.next_entry, self.now, self.pace, self.phase = state.next_entry, state.now, state.pace, state.phase
         self.close_result, self.deferred = state.close_result, state.deferred
 
     def build(self) -> ServiceState:
@@ -68,7 +68,7 @@ class Draft:
             counters = Counters(*[getattr(counters, name) + counts.get(name, 0) for name in _COUNTERS])
         return ServiceState(self.config, self.ram.frozen(), self.disk.frozen(), self.entries, self.leases,
                             self.projected_bytes, self.measured_bytes, self.writes, self.reading, self.acquiring, self.checkpoints,
-                            self.sessions, counters, self.next_entry, self.now, self.phase, self.close_result,
+                            self.sessions, counters, self.next_entry, self.now, self.pace, self.phase, self.close_result,
                             self.deferred)
 
     def mark(self) -> tuple:

@@ -34,6 +34,14 @@ class BatchMeasured(Event):
 
 
 @attrs.frozen
+class PrefillMeasured(Event):
+    """The serving loop prefilled ``tokens`` prompt tokens in ``seconds`` (its pace: :mod:`~kvstate.core.pace`)."""
+
+    tokens: int
+    seconds: float
+
+
+@attrs.frozen
 class Fits(Event):
     """Would ``request`` be admitted now?"""
 

@@ -50,6 +50,12 @@ class Report:
     #: Reads of saved files that hit an I/O error: the file stays (the request falls back) unless
     #: its reads fail ``MAX_READ_ERRORS`` times in a row.
     read_errors: int
+    #: Disk hits passed up for a prefill, and spills not made, because reading state back is slower
+    #: than prefilling it here; the paces behind that rule (None until measured).
+    restores_passed_up: int
+    spills_passed_up: int
+    read_bytes_per_s: float | None
+    prefill_tokens_per_s: float | None
     prefetches: int
     disk_evictions: int
     rejected_files: int
@@ -95,7 +101,9 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         saved_entries=saved, saved_bytes=saved_bytes, saved_capacity_bytes=config.disk_capacity_bytes,
         disk_bytes=state.disk.bytes,
         spills=c.spills, restores=c.restores, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
-        read_errors=c.read_errors, prefetches=c.prefetches, disk_evictions=c.disk_evictions,
+        read_errors=c.read_errors, restores_passed_up=c.restores_passed_up, spills_passed_up=c.spills_passed_up,
+        read_bytes_per_s=_per_second(state.pace.read_s_per_byte),
+        prefill_tokens_per_s=_per_second(state.pace.prefill_s_per_token), prefetches=c.prefetches, disk_evictions=c.disk_evictions,
         rejected_files=c.rejected_files, rejected_held_files=rejected_held_files,
         rejected_held_bytes=rejected_held_bytes,
         pending_writes=state.writes.count, pending_write_bytes=state.writes.bytes,
@@ -104,3 +112,9 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         checkpoints_written=c.checkpoints_written, resumes=c.resumes,
         live_requests=len(state.leases), projected_bytes=state.projected_bytes,
         measured_bytes=state.measured_bytes, budget_bytes=config.kv_budget_bytes)
+
+
+def _per_second(seconds_per_unit: float | None) -> float | None:
+    if seconds_per_unit is None:
+        return None
+    return float("inf") if seconds_per_unit == 0 else 1.0 / seconds_per_unit

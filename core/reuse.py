@@ -1,7 +1,8 @@
 """Reuse: what ``acquire`` hands a request, and the reads it waits on.
 
 A resumable generation resumes its durable checkpoint. Otherwise the longest
-usable prefix serves: RAM first, disk only when strictly longer; trimmable
+usable prefix serves: RAM first, disk only when strictly longer and, where the
+hardware's pace is known, faster to read than to prefill (:mod:`~kvstate.core.pace`); trimmable
 entries serve any shorter prefix, others only their exact length; one prompt
 token is always left to compute; namespaces never mix; on a tie a session's own
 state wins. A read from disk parks the acquire (:class:`~kvstate.core.replies.Pending`,
@@ -15,6 +16,7 @@ import attrs
 from kvstate.core import admission, events as ev
 from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, size_text
 from kvstate.core.draft import Draft, Step, without
+from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.errors import NotAdmitted, RequestAlreadyAcquired
 from kvstate.core.prefix_index import common_prefix
 from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
@@ -107,6 +109,9 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, out: list, from_disk: boo
             ram_len, ram_entry, disk_len = best, own.id, 0
         else:
             disk_len, disk_entry, ram_len = best, own.id, 0
+    if disk_len > ram_len and not read_pays(d.pace, d.entries[disk_entry].file_bytes, disk_len - ram_len):
+        d.count("restores_passed_up")  # prefilling what the file adds is faster here than reading it
+        disk_len = 0
     if disk_len > ram_len:
         entry = d.entries[disk_entry]
         out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))
@@ -159,6 +164,7 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     entry = d.entries.get(e.entry)
     if entry is not None:
         d.count("bytes_read", entry.file_bytes)
+        read_measured(d, entry.file_bytes, e.seconds)
     waiting = d.acquiring.get(e.handle)
     if waiting is None:
         return Step(d.build(), (fx.DropPublished(e.handle),), None)

@@ -248,6 +248,10 @@ class Counters:
     bytes_read: int = 0
     #: Reads of saved files that hit an I/O error (the file kept unless it keeps failing).
     read_errors: int = 0
+    #: Disk hits passed up for a prefill, and spills not made, because reading back is slower than
+    #: prefilling the same tokens on this hardware (:mod:`~kvstate.core.pace`).
+    restores_passed_up: int = 0
+    spills_passed_up: int = 0
 
 
 EMPTY: immutables.Map = immutables.Map()
@@ -275,6 +279,15 @@ class Writes:
 
     count: int = 0
     bytes: int = 0
+
+
+@attrs.frozen
+class Pace:
+    """Measured seconds to read back one byte of saved state and to prefill one token (None: not yet
+    measured); :mod:`~kvstate.core.pace` learns and uses them."""
+
+    read_s_per_byte: float | None = None
+    prefill_s_per_token: float | None = None
 
 
 @attrs.frozen
@@ -306,6 +319,7 @@ class ServiceState:
     counters: Counters = Counters()
     next_entry: int = 1
     now: float = 0.0
+    pace: Pace = Pace()
     phase: Phase = Phase.OPEN
     #: close()'s verdict once closed; or a publish parked until the writes in flight settle.
     close_result: Any = None

@@ -13,8 +13,9 @@ from typing import Callable
 import attrs
 
 from kvstate.core.draft import Draft, TierDraft
+from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
-from kvstate.core.state import Entry, Move, Phase, Residence, ServiceState, content_tag, moved
+from kvstate.core.state import OBJECTS, Entry, Move, Phase, Residence, ServiceState, content_tag, moved
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -147,6 +148,15 @@ def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
 
 
+def spill_pays(d: Draft, entry: Entry) -> bool:
+    """Whether writing ``entry`` to disk can pay back: reading it again beats prefilling its tokens
+    (objects are not prefilled: always written). Counted where it cannot."""
+    if entry.namespace == OBJECTS or read_pays(d.pace, entry.file_bytes, len(entry.tokens)):
+        return True
+    d.count("spills_passed_up")
+    return False
+
+
 # ---------------------------------------------------------------- keeping published state
 
 
@@ -187,7 +197,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.ram.bytes += nbytes
         insert_ram(d, entry)
         out.append(fx.AdoptPublished(handle, entry.id))
-        if d.config.has_disk and d.config.write_behind:
+        if d.config.has_disk and d.config.write_behind and spill_pays(d, entry):
             start_spill(d, entry, out)
     if trimmable:
         _drop_served_prefixes(d, entry, out)
@@ -242,7 +252,7 @@ def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
 
 def give_back(d: Draft, entry: Entry, out: list) -> None:
     """Release ``entry``'s RAM, spilling it first when it has no durable copy and a disk tier exists."""
-    if entry.residence is R.RAM and d.config.has_disk:
+    if entry.residence is R.RAM and d.config.has_disk and spill_pays(d, entry):
         start_spill(d, entry, out, demote=True)
         if d.entries[entry.id].residence is R.SPILLING:
             return
@@ -336,6 +346,7 @@ def prefetch_done(d: Draft, e: done.PrefetchDone) -> tuple[list, object]:
     insert_ram(d, entry)
     d.count("prefetches")
     d.count("bytes_read", entry.file_bytes)
+    read_measured(d, entry.file_bytes, e.seconds)
     return [], None
 
 

@@ -10,6 +10,7 @@ each event to the handler of its concern:
 - :mod:`~kvstate.core.tiers`: keeping, eviction, spills, giving RAM back, prefetch;
 - :mod:`~kvstate.core.checkpoints`: generation checkpoints written and resumed;
 - :mod:`~kvstate.core.objects`: exact-key tensor objects;
+- :mod:`~kvstate.core.pace`: whether reading saved state back beats prefilling it;
 - :mod:`~kvstate.core.lifecycle`: the scan at start, flush, close, the clock, the report.
 
 A handler reads the immutable state and an event, builds the next state once
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvstate.core import checkpoints, events as ev, lifecycle, objects, requests, reuse, tiers
+from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, requests, reuse, tiers
 from kvstate.core.admission import own_bytes
 from kvstate.core.checks import ensure_open, keeps
 from kvstate.core.checkpoints import checkpoint_meta
@@ -63,6 +64,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Admit: requests.admit,
     ev.Fits: requests.fits,
     ev.BatchMeasured: requests.batch_measured,
+    ev.PrefillMeasured: pace.prefill_measured,
     ev.Keeps: requests.keeps_query,
     ev.Publish: requests.publish,
     ev.Release: requests.release,

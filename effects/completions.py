@@ -49,10 +49,11 @@ class SpillFailed(Completion):
 
 @attrs.frozen
 class RestoreDone(Completion):
-    """Saved ``entry`` was read into ``handle``."""
+    """Saved ``entry`` was read into ``handle``, in ``seconds`` (None: the interpreter does not time reads)."""
 
     entry: int
     handle: int
+    seconds: float | None = None
 
 
 @attrs.frozen
@@ -66,9 +67,10 @@ class RestoreFailed(Completion):
 
 @attrs.frozen
 class PrefetchDone(Completion):
-    """Saved ``entry`` is now in RAM too."""
+    """Saved ``entry`` is now in RAM too, read in ``seconds`` (None: not timed)."""
 
     entry: int
+    seconds: float | None = None
 
 
 @attrs.frozen

@@ -236,6 +236,12 @@ class BatchAdmission:
     def close(self) -> None:
         self.ended(list(self._rows))
 
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """The batch prefilled ``tokens`` prompt tokens in ``seconds`` (its pace: whether a disk hit
+        beats computing the same tokens, :mod:`kvstate.core.pace`)."""
+        if tokens > 0 and seconds > 0:
+            self.service.measure_prefill(tokens, seconds)
+
     def measure(self, batch_bytes: int) -> None:
         """The batch holds ``batch_bytes`` after a step: admission goes by it, and kept RAM the batch
         has grown into is given back now (spilled first), not at the next fetch or insert."""
@@ -295,7 +301,11 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
             return caches
 
         def next(self):
+            counters = getattr(self, "_counters", None)
+            before = (counters.prompt_tokens, counters.prompt_time) if counters is not None else None
             prompt_responses, generation_responses = super().next()
+            if before is not None:
+                admission.prefilled(counters.prompt_tokens - before[0], counters.prompt_time - before[1])
             admission.progressed(prompt_responses)
             finished = [r for r in generation_responses if r.finish_reason is not None]
             for response in finished:

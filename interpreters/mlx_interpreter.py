@@ -230,20 +230,22 @@ class MlxInterpreter(HeldState):
             return done.FailureReason.IO_ERROR
 
     def _restore_entry(self, e: fx.RestoreEntry) -> list:
+        started = time.perf_counter()
         caches = self._read(e.key)
         if isinstance(caches, done.FailureReason):
             return [done.RestoreFailed(e.entry, e.handle, caches)]
         if e.tokens != len(e.key.tokens):
             caches = mlx_caches.clone(caches, e.tokens)
         self._handles[e.handle] = caches
-        return [done.RestoreDone(e.entry, e.handle)]
+        return [done.RestoreDone(e.entry, e.handle, time.perf_counter() - started)]
 
     def _prefetch_entry(self, e: fx.PrefetchEntry) -> list:
+        started = time.perf_counter()
         caches = self._read(e.key)
         if isinstance(caches, done.FailureReason):
             return [done.PrefetchFailed(e.entry, caches)]
         self._ram[e.entry] = caches
-        return [done.PrefetchDone(e.entry)]
+        return [done.PrefetchDone(e.entry, time.perf_counter() - started)]
 
     def _delete_file(self, e: fx.DeleteFile) -> list:
         store = self._store()

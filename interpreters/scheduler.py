@@ -99,7 +99,9 @@ class Scheduler:
             row.first_token_seconds = self.clock() - row.started
             return
         prompt = request.prompt
+        prefill_started = self.clock()
         logits = self._forward(prompt[state.reused_tokens:], row.caches)
+        service.measure_prefill(len(prompt) - state.reused_tokens, self.clock() - prefill_started)
         if service.keeps(request):  # the end of the prompt: a boundary every cache kind can reuse
             service.publish(request, row.namespace, prompt, mlx_caches.clone(row.caches, len(prompt)))
         row.generated.append(sample(logits, row.seed, 0, self.temperature))

@@ -179,6 +179,11 @@ class KvCacheService:
         admission goes by this measure wherever it exceeds the projection."""
         self._run(ev.BatchMeasured(nbytes))
 
+    def measure_prefill(self, tokens: int, seconds: float) -> None:
+        """The generation loop prefilled ``tokens`` prompt tokens in ``seconds``: with the reads' own
+        timings, this decides whether a disk hit beats a recompute here (:mod:`kvstate.core.pace`)."""
+        self._run(ev.PrefillMeasured(tokens, seconds))
+
     def fits(self, request: Request) -> bool:
         """Whether ``admit`` would admit ``request`` now; holds nothing."""
         return self._run(ev.Fits(request))

@@ -325,8 +325,12 @@ class SimulatorInterpreter(HeldState):
             self._move_aside(key, reason)
             return reason
         self.stats.bytes_read += file.file_bytes
-        self.stats.restore_seconds += file.file_bytes / self.cost.restore_bytes_per_second
+        self.stats.restore_seconds += self._read_seconds(file)
         return file
+
+    def _read_seconds(self, file: SimFile) -> float:
+        """What reading ``file`` back takes, by the cost model (the seconds a read reports)."""
+        return file.file_bytes / self.cost.restore_bytes_per_second
 
     def _move_aside(self, key: fx.DiskKey, reason: Reason) -> None:
         file = self.disk.files.pop(key, None)
@@ -338,14 +342,14 @@ class SimulatorInterpreter(HeldState):
         if isinstance(file, Reason):
             return [done.RestoreFailed(e.entry, e.handle, file)]
         self._handles[e.handle] = file.payload or SimCaches(file.content, self.model).trimmed(e.tokens)
-        return [done.RestoreDone(e.entry, e.handle)]
+        return [done.RestoreDone(e.entry, e.handle, self._read_seconds(file))]
 
     def _prefetch_entry(self, e: fx.PrefetchEntry) -> list:
         file = self._read(e.key)
         if isinstance(file, Reason):
             return [done.PrefetchFailed(e.entry, file)]
         self._ram[e.entry] = file.payload or SimCaches(file.content, self.model)
-        return [done.PrefetchDone(e.entry)]
+        return [done.PrefetchDone(e.entry, self._read_seconds(file))]
 
     def _delete_file(self, e: fx.DeleteFile) -> list:
         self.disk.files.pop(e.key, None)

@@ -198,6 +198,8 @@ def test_metrics_are_the_report_in_prometheus_text(server):
                  'kvstate_tier_bytes{tier="ram"}', 'kvstate_tier_bytes{tier="disk"}'):
         assert name in metrics, name
     assert 0.0 <= metrics["kvstate_hit_ratio"] <= 1.0
+    # the batch's prefill pace reached the service: what it weighs every disk hit against
+    assert metrics["kvstate_prefill_tokens_per_s"] > 0
 
 
 def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server):
