@@ -206,7 +206,9 @@ class MlxInterpreter(HeldState):
 
     def _adopt_published(self, e: fx.AdoptPublished) -> list:
         caches = self._handles.pop(e.handle)
-        mx.eval(mlx_caches.arrays_of(caches))  # kept state is computed now, not on some later thread
+        # Kept state is scheduled now, on the caller's stream, not left to some later thread; without a
+        # wait, so a publish does not stall the caller's pipeline (a generation loop's next step).
+        mx.async_eval(mlx_caches.arrays_of(caches))
         self._ram[e.entry] = caches
         return []
 
