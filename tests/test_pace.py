@@ -184,3 +184,14 @@ def test_a_prefill_of_nothing_or_in_no_time_is_no_measure():
     assert service.state.pace.prefill_s_per_token is None
     service.measure_prefill(500, 0.5)
     assert service.state.pace.prefill_s_per_token == pytest.approx(1e-3)
+
+
+def test_a_read_of_no_bytes_is_no_measure_and_a_read_of_one_byte_is():
+    from kvstate.core.draft import Draft
+    from kvstate.core.pace import read_measured
+
+    d = Draft(build().state)
+    read_measured(d, 0, 1.0)  # nothing read: no pace (and no division by zero)
+    assert d.pace.read_s_per_byte is None
+    read_measured(d, 1, 2.0)
+    assert d.pace.read_s_per_byte == 2.0
