@@ -27,6 +27,13 @@ def keeps(state: ServiceState, request: Request) -> bool:
     return request.reuses_prefix and state.config.ram_capacity_bytes > 0
 
 
+def non_negative_int(value: object, what: str) -> int:
+    """``value``, a count the caller reported (not a bool); :class:`InvalidRequest` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"{what} is a non-negative int, got {value!r}")
+    return value
+
+
 def check_sizes(nbytes: object, file_bytes: object) -> None:
     for what, value in (("caches", nbytes), ("their file", file_bytes)):
         if not isinstance(value, int) or value < 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import attrs
 
 from kvstate.core import events as ev
+from kvstate.core.checks import non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.state import Pace, ServiceState
@@ -52,9 +53,7 @@ def read_measured(d: Draft, file_bytes: int, seconds: float | None) -> None:
 
 def prefill_measured(state: ServiceState, e: ev.PrefillMeasured) -> Step:
     """The serving loop prefilled ``tokens`` tokens in ``seconds``."""
-    tokens = e.tokens
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise InvalidRequest(f"prefilled tokens must be a non-negative int, got {tokens!r}")
+    tokens = non_negative_int(e.tokens, "a prefill's tokens")
     seconds = _check(e.seconds, "prefill seconds")
     if tokens == 0 or seconds == 0:  # nothing prefilled, or a clock too coarse to see it: no measure
         return Step(state, (), None)

@@ -16,7 +16,7 @@ import attrs
 from kvstate.core import admission, events as ev
 from kvstate.core.checkpoints import forget_checkpoint
 from kvstate.core.checks import (
-    check_budget, check_context, check_sizes, ensure_open, keeps,
+    check_budget, check_context, check_sizes, ensure_open, keeps, non_negative_int,
 )
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.errors import InvalidRequest, RequestKeepsNoState, TokensDoNotMatchCaches
@@ -55,10 +55,9 @@ def fits(state: ServiceState, e: ev.Fits):
 
 def batch_measured(state: ServiceState, e: ev.BatchMeasured):
     """The running caches were measured: admission goes by the measure where it exceeds the projection."""
-    if not isinstance(e.nbytes, int) or isinstance(e.nbytes, bool) or e.nbytes < 0:
-        raise InvalidRequest(f"a batch measure is a non-negative int of bytes, got {e.nbytes!r}")
+    nbytes = non_negative_int(e.nbytes, "a batch measure (bytes)")
     d = Draft(state)
-    d.measured_bytes = e.nbytes if state.projected_bytes else 0  # caches of no admitted request: not ours
+    d.measured_bytes = nbytes if state.projected_bytes else 0  # caches of no admitted request: not ours
     return Step(d.build(), (), None)
 
 
