@@ -16,8 +16,16 @@ first token is the time to the first content chunk). Stock gets ``--prompt-cache
 - ``burst``: S requests at once sharing a long system prompt nothing holds yet, each with its own
   question: how much of the shared prompt the later ones reuse while the first computes it.
 
+Each kind keeps the kernels compiled on first use in a folder of its own (``--jit-cache``): MLX's
+own kernels, and on CUDA the driver's compute cache, where the kernels cuDNN builds for each new
+attention shape end up. Both are kept on disk and a later process loads them instead of
+compiling, so with one shared folder the server that runs second would be timed on kernels the
+first compiled (on the H200 that made every first use of an attention shape look like a
+kvstate stall of 0.4-0.9 s).
+
 Prints, per workload and server, TTFT p50 and p99, output tokens per second and the cached prompt
-tokens the server reported, then kvstate's figures as ratios of stock's.
+tokens the server reported, then kvstate's figures as ratios of stock's, and the kernels each kind
+compiled (those only one of them needed by name).
 
     python bench/serve.py [--geometry small|1b] [--workloads chat,agent,overflow,restart]
 """
@@ -28,6 +36,7 @@ import argparse
 import concurrent.futures
 import http.client
 import json
+import os
 import shutil
 import signal
 import socket
@@ -61,8 +70,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def jit_environment(jit_cache: Path, kind: str) -> dict[str, str]:
+    """The environment of a ``kind`` server whose kernels compiled on first use go to
+    ``jit_cache/kind``: MLX's CUDA PTX (``MLX_PTX_CACHE_DIR``), its CPU shared libraries (under the
+    temporary directory) and the CUDA driver's compute cache (``CUDA_CACHE_PATH``, where cuDNN's
+    runtime-compiled attention kernels are kept). A later process loads them instead of compiling;
+    one folder per kind, so neither server is timed on kernels the other compiled."""
+    folder = jit_cache / kind
+    for part in ("ptx", "tmp", "cuda"):
+        (folder / part).mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "MLX_PTX_CACHE_DIR": str(folder / "ptx"), "TMPDIR": str(folder / "tmp"),
+            "CUDA_CACHE_PATH": str(folder / "cuda")}
+
+
+def compiled_kernels(folder: Path) -> list[str]:
+    """The kernels a server kind compiled on first use: MLX's CUDA modules and CPU shared libraries
+    by name, and the files of the CUDA driver's compute cache (named by hash)."""
+    return sorted(str(path.relative_to(folder)) for pattern in ("ptx/**/*.ptx", "tmp/mlx/**/*.so", "cuda/**/*")
+                  for path in folder.glob(pattern) if path.is_file())
+
+
 class Server:
-    def __init__(self, kind: str, model: Path, ram_bytes: int, disk: Path | None, log: Path):
+    def __init__(self, kind: str, model: Path, ram_bytes: int, disk: Path | None, log: Path, jit_cache: Path):
         self.port = free_port()
         if kind == "kvstate":
             command = [sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--ram-bytes", str(ram_bytes)]
@@ -72,7 +101,8 @@ class Server:
             command = [sys.executable, "-m", "mlx_lm", "server", "--prompt-cache-bytes", str(ram_bytes),
                        "--prompt-cache-size", "100000"]
         self.process = subprocess.Popen([*command, "--model", str(model), "--port", str(self.port)],
-                                        stdout=open(log, "a"), stderr=subprocess.STDOUT)
+                                        stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                                        env=jit_environment(jit_cache, kind))
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:
@@ -186,7 +216,7 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
     ram = args.ram_bytes
     if name == "overflow":
         ram = args.overflow_ram_bytes
-    server = Server(kind, model, ram, disk, log)
+    server = Server(kind, model, ram, disk, log, args.jit_cache)
     server.warm_up(args.warm_up_batch, args.user_words)
     try:
         if name == "chat":
@@ -208,7 +238,7 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
             conversation_turns(server, args.sessions, before, args.concurrency, args.user_words, args.max_tokens,
                                histories=histories)
             server.stop()
-            server = Server(kind, model, ram, disk, log)
+            server = Server(kind, model, ram, disk, log, args.jit_cache)
             server.warm_up(args.warm_up_batch, args.user_words)
             records = conversation_turns(server, args.sessions, 1, args.concurrency, args.user_words,
                                          args.max_tokens, histories=histories)
@@ -236,6 +266,9 @@ def main() -> None:
                         help="RAM for the overflow workload (default: a quarter of its working set)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
+    parser.add_argument("--jit-cache", type=Path, default=None,
+                        help="keep each kind's compiled MLX kernels in DIR/kvstate and DIR/stock, across runs "
+                             "(default: empty folders for this run, so each kind compiles its own once)")
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -244,6 +277,7 @@ def main() -> None:
     from kvstate.models.reference import build
 
     work = Path(tempfile.mkdtemp(prefix="kvstate-bench-serve-"))
+    args.jit_cache = (args.jit_cache or work / "jit").resolve()
     dtype = mx.bfloat16 if args.geometry == "1b" else mx.float32
     model_dir = save_model_dir(work / "model", "llama", seed=1, dtype=dtype, **GEOMETRIES[args.geometry])
     if args.overflow_ram_bytes is None:
@@ -268,7 +302,16 @@ def main() -> None:
         ours, stock = kinds["kvstate"], kinds["stock"]
         print(f"{'':10}{'ratio':9}{'':>9}{ours['ttft_p50'] / stock['ttft_p50']:>12.2f}x"
               f"{ours['ttft_p99'] / stock['ttft_p99']:>12.2f}x{ours['tok_per_s'] / max(stock['tok_per_s'], 1e-9):>8.2f}x")
+    kernels = {kind: compiled_kernels(args.jit_cache / kind) for kind in ("kvstate", "stock")}
+    driver = {kind: sum(name.startswith("cuda/") for name in names) for kind, names in kernels.items()}
+    print(f"kernels compiled on first use, kept in {args.jit_cache}: kvstate {len(kernels['kvstate'])} "
+          f"({driver['kvstate']} in the CUDA driver's cache), stock {len(kernels['stock'])} ({driver['stock']})")
+    for kind, other in (("kvstate", "stock"), ("stock", "kvstate")):
+        for name in sorted(set(kernels[kind]) - set(kernels[other])):
+            if not name.startswith("cuda/"):  # the driver's files are named by hash: counted, not listed
+                print(f"  only {kind}: {name}")
     if args.json:
+        rows["compiled_kernels"] = {kind: sorted(names) for kind, names in kernels.items()}
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
