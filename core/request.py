@@ -7,6 +7,7 @@ when it is built, so a malformed request never reaches a transition.
 
 from __future__ import annotations
 
+import array
 import operator
 
 import attrs
@@ -24,6 +25,15 @@ def as_tokens(tokens: object, what: str = "prompt", known: tuple[int, ...] = ())
         if len(tokens) > len(known):
             as_tokens(tokens[len(known):], what)
         return tokens
+    if type(tokens) in (list, tuple):
+        try:  # the common case, checked in C: every id an integer in 0 .. 2**64 - 1
+            result = tuple(array.array("Q", tokens).tolist())
+        except (TypeError, OverflowError):
+            pass  # the checks below say what is wrong (or accept an id of 2**64 and above)
+        else:
+            if not result:
+                raise InvalidRequest(f"{what} is empty: a request needs at least one token")
+            return result
     if isinstance(tokens, (str, bytes)):
         raise InvalidRequest(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     try:
