@@ -97,7 +97,8 @@ class Draft:
         self.entries = self.entries.set(entry.id, entry)
 
     def writes_add(self, count: int, nbytes: int) -> None:
-        self.writes = Writes(self.writes.count + count, self.writes.bytes + nbytes)
+        w = self.writes
+        self.writes = Writes(w.count + count, w.bytes + nbytes, w.rate_spent, w.rate_at)
 
     def lease_set(self, lease_id: int, lease: Any) -> None:
         self.leases = self.leases.set(lease_id, lease)

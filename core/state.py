@@ -113,6 +113,15 @@ class ServiceConfig:
     marks entries that are evicted only after every other (True: protected),
     for example system-prompt prefixes. ``demote_idle_after`` (seconds) moves
     entries idle that long to disk on a clock tick.
+
+    What the disk tier writes, for its wear: with ``write_behind`` a kept entry
+    is written as soon as it is kept, or, with ``write_idle_after`` (seconds),
+    only once it has sat idle in RAM that long (on a clock tick), so state that
+    is superseded, dropped or evicted sooner is never written.
+    ``write_bytes_per_hour`` caps what spills write: a bucket of one hour's bytes,
+    refilled at that rate by the clock; a spill it has no room for is not
+    made (``spills_over_rate``). ``flush`` and ``close`` write regardless and are
+    charged. Checkpoints are not capped.
     """
 
     model: ModelSpec
@@ -124,6 +133,8 @@ class ServiceConfig:
     write_behind: bool = True
     write_queue_bytes: int = 2 * GiB
     demote_idle_after: float | None = None
+    write_idle_after: float | None = None
+    write_bytes_per_hour: int | None = None
     checkpoint_every_tokens: int | None = None
     identity: str = ""
     retention: Retention | None = None
@@ -142,8 +153,15 @@ class ServiceConfig:
             policy(self.policy)
         except KeyError as error:
             raise InvalidConfig(str(error)) from None
-        if self.demote_idle_after is not None and not self.demote_idle_after > 0:
-            raise InvalidConfig(f"demote_idle_after must be positive seconds or None, got {self.demote_idle_after!r}")
+        for name in ("demote_idle_after", "write_idle_after"):
+            seconds = getattr(self, name)
+            if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                        or not 0 < seconds < float("inf")):
+                raise InvalidConfig(f"{name} must be positive seconds or None, got {seconds!r}")
+        size("write_bytes_per_hour", self.write_bytes_per_hour, True)
+        if self.write_bytes_per_hour == 0:
+            raise InvalidConfig("write_bytes_per_hour must be at least 1 byte, or None for no cap; "
+                                "to write nothing, build the service without a disk tier")
         if self.batch_padding_step is not None and (
                 not isinstance(self.batch_padding_step, int) or isinstance(self.batch_padding_step, bool)
                 or self.batch_padding_step < 1):
@@ -252,6 +270,7 @@ class Counters:
     #: prefilling the same tokens on this hardware (:mod:`~kvstate.core.pace`).
     restores_passed_up: int = 0
     spills_passed_up: int = 0
+    spills_over_rate: int = 0
 
 
 EMPTY: immutables.Map = immutables.Map()
@@ -275,10 +294,13 @@ class Tier:
 
 @attrs.frozen
 class Writes:
-    """Writes to disk in flight (spills and checkpoints) and the RAM bytes they hold in the queue."""
+    """Writes to disk in flight (spills and checkpoints) and the RAM bytes they hold in the queue; and
+    the write-rate bucket: bytes spent of it, net of its refill up to the clock reading ``rate_at``."""
 
     count: int = 0
     bytes: int = 0
+    rate_spent: float = 0.0
+    rate_at: float = 0.0
 
 
 @attrs.frozen

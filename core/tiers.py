@@ -15,7 +15,7 @@ import attrs
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
-from kvstate.core.state import OBJECTS, Entry, Move, Phase, Residence, ServiceState, content_tag, moved
+from kvstate.core.state import OBJECTS, Entry, Move, Phase, Residence, ServiceState, Writes, content_tag, moved
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -130,9 +130,13 @@ def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
 def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded: bool = True,
                 evict: bool = True) -> None:
     """Start writing RAM-only ``entry`` to disk, making disk room (evicting saved state only when
-    ``evict``); a full queue or disk drops the write."""
+    ``evict``); a full queue or disk drops the write, and so does the write-rate cap. A flush is not
+    ``bounded``: it writes past the queue's bound and the cap (and is charged to the cap)."""
     if bounded and d.writes.bytes + entry.nbytes > d.config.write_queue_bytes:
         d.count("dropped_writes")
+        return
+    if bounded and not within_write_rate(d, entry.file_bytes):
+        d.count("spills_over_rate")
         return
     if not evict and d.disk.bytes + entry.file_bytes > d.disk.capacity:
         d.count("dropped_writes")
@@ -143,9 +147,31 @@ def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded
     entry = d.entries[entry.id]
     d.disk.bytes += entry.file_bytes
     d.writes_add(1, entry.nbytes)
+    _charge_write_rate(d, entry.file_bytes)
     out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
                              entry.file_bytes))
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
+
+
+HOUR = 3600.0
+
+
+def _write_rate_spent(d: Draft) -> float:
+    """Bytes of the write-rate bucket spent now: what was spent, less the clock's refill since."""
+    w = d.writes
+    return max(0.0, w.rate_spent - d.config.write_bytes_per_hour * (d.now - w.rate_at) / HOUR)
+
+
+def within_write_rate(d: Draft, nbytes: int) -> bool:
+    """Whether writing ``nbytes`` more stays within the write-rate cap (always, without one)."""
+    cap = d.config.write_bytes_per_hour
+    return cap is None or _write_rate_spent(d) + nbytes <= cap
+
+
+def _charge_write_rate(d: Draft, nbytes: int) -> None:
+    if d.config.write_bytes_per_hour is not None:
+        w = d.writes
+        d.writes = Writes(w.count, w.bytes, _write_rate_spent(d) + nbytes, d.now)
 
 
 def spill_pays(d: Draft, entry: Entry) -> bool:
@@ -197,7 +223,8 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.ram.bytes += nbytes
         insert_ram(d, entry)
         out.append(fx.AdoptPublished(handle, entry.id))
-        if d.config.has_disk and d.config.write_behind and spill_pays(d, entry):
+        config = d.config
+        if config.has_disk and config.write_behind and config.write_idle_after is None and spill_pays(d, entry):
             start_spill(d, entry, out)
     if trimmable:
         _drop_served_prefixes(d, entry, out)
@@ -242,7 +269,9 @@ def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
         return [], None
     d.writes_add(-1, -entry.nbytes)
     d.disk.bytes -= entry.file_bytes
-    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED)))
+    # Where idle entries are written, a failed write waits another idle spell before it is tried again.
+    last_used = d.now if d.config.write_idle_after is not None else entry.last_used
+    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), last_used=last_used))
     d.count("failed_writes")
     return [], None
 
@@ -294,23 +323,42 @@ def optional_bytes(state: ServiceState) -> int:
 
 
 def tick(d: Draft, now: float) -> list:
-    """The clock reads ``now``: entries idle past the demotion threshold are given back."""
+    """The clock reads ``now``: entries idle past the demotion threshold are given back, and RAM-only
+    entries idle past the write threshold are written (:func:`_write_idle`)."""
     d.now = max(d.now, float(now))
-    after = d.config.demote_idle_after
-    if after is None or not d.config.has_disk or d.phase is not Phase.OPEN:
+    config = d.config
+    if not config.has_disk or d.phase is not Phase.OPEN:
         return []
     out: list = []
-    for entry in list(d.entries.values()):
-        if entry.last_used > d.now - after:
-            continue
-        current = d.entries.get(entry.id)
-        if current is None:
-            continue  # dropped while an earlier entry was given back (its disk room went to that spill)
-        if current.residence is R.SPILLING:
-            d.set_entry(attrs.evolve(current, demote=True))
-        elif current.residence in (R.RAM, R.BOTH):
-            give_back(d, current, out)
+    after = config.demote_idle_after
+    if after is not None:
+        for entry in list(d.entries.values()):
+            if entry.last_used > d.now - after:
+                continue
+            current = d.entries.get(entry.id)
+            if current is None:
+                continue  # dropped while an earlier entry was given back (its disk room went to that spill)
+            if current.residence is R.SPILLING:
+                d.set_entry(attrs.evolve(current, demote=True))
+            elif current.residence in (R.RAM, R.BOTH):
+                give_back(d, current, out)
+    if config.write_behind and config.write_idle_after is not None:
+        _write_idle(d, config.write_idle_after, out)
     return out
+
+
+def _write_idle(d: Draft, after: float, out: list) -> None:
+    """Write RAM-only entries idle ``after`` seconds or more (they stay in RAM), while the write queue
+    and the write-rate cap have room for them; the rest wait for a later tick. An entry whose file
+    could never pay back its read is not written; one whose write failed waits another idle spell."""
+    for entry in list(d.entries.values()):
+        if entry.residence is not R.RAM or entry.last_used > d.now - after:
+            continue
+        if d.writes.bytes + entry.nbytes > d.config.write_queue_bytes or not within_write_rate(d, entry.file_bytes):
+            continue
+        if entry.namespace != OBJECTS and not read_pays(d.pace, entry.file_bytes, len(entry.tokens)):
+            continue
+        start_spill(d, entry, out)
 
 
 # ---------------------------------------------------------------- prefetch and rejected files

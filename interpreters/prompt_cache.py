@@ -58,6 +58,10 @@ class KvStatePromptCache:
         self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
         self._announced: dict[tuple[int, ...], deque[str]] = {}
         self._stats: tuple[float, dict] | None = None
+        config = service.config
+        # The clock reaches the service only where a rule reads it (idle writes, idle demotion).
+        self._clocked = config.write_idle_after is not None or config.demote_idle_after is not None
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------ admission's side
 
@@ -97,6 +101,7 @@ class KvStatePromptCache:
         caller owns) and the tokens left to compute; ``(None, tokens)`` for a miss."""
         if model != self.model_key or not tokens:
             return None, tokens
+        self._tick()
         started = time.perf_counter()
         key = tuple(tokens)
         admitted, namespace = self._expected.pop(key, (None, self.namespace))
@@ -122,6 +127,7 @@ class KvStatePromptCache:
         namespace = self._announced_namespace(key)
         if model != self.model_key or not key or not prompt_cache:
             return
+        self._tick()
         started = time.perf_counter()
         covered = mlx_caches.covered(prompt_cache)
         if covered is not None and covered != len(key):
@@ -140,6 +146,11 @@ class KvStatePromptCache:
         self.service.boundary()
         logging.info("kvstate: %s state of %d tokens %s in %.1f ms", cache_type, len(key),
                      "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))
+
+    def _tick(self) -> None:
+        """Read the clock into the service, on the generation thread (where a spill may copy arrays)."""
+        if self._clocked:
+            self.service.tick(time.monotonic() - self._started)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Give RAM entries back (spilled first with a disk tier) until at most ``n_sequences`` and

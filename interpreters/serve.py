@@ -266,6 +266,11 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "publish instead of computing the prefix again (0: never wait; default "
                              f"{SHARED_PREFIX_WAIT_S:g}, or 0 on CUDA, where a batched prefill of a few rows costs "
                              "about one row's)")
+    parser.add_argument("--disk-write-idle", type=float, default=None, metavar="SECONDS",
+                        help="write kept state to disk only once it has sat idle this long, so state a later "
+                             "turn supersedes soon is never written (default: written when kept)")
+    parser.add_argument("--disk-write-bytes-per-hour", type=parse_bytes, default=None, metavar="SIZE",
+                        help="cap what spills write to disk, for the SSD's wear (default: no cap)")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     return parser
 
@@ -304,7 +309,9 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
                           batch_padding_step=CACHE_STEP, disk_dir=options.disk_dir,
                           disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
                           config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
-                          pressure=pressure, weights_dir=model_provider.cli_args.model if plain else None)
+                          pressure=pressure, weights_dir=model_provider.cli_args.model if plain else None,
+                          write_idle_after=options.disk_write_idle,
+                          write_bytes_per_hour=options.disk_write_bytes_per_hour)
     cache = KvStatePromptCache(service, model_provider.model_key)
     return cache
 
@@ -359,6 +366,14 @@ def main(argv: Sequence[str]) -> int:
     if (options.disk_dir is None) != (options.disk_bytes is None):
         print("kvstate serve: --disk-dir and --disk-bytes go together (where saved state lives, and its budget)",
               file=sys.stderr)
+        return 2
+    if options.disk_write_idle is not None and not 0 < options.disk_write_idle < float("inf"):
+        print(f"kvstate serve: --disk-write-idle is seconds, more than 0; got {options.disk_write_idle}",
+              file=sys.stderr)
+        return 2
+    if options.disk_write_bytes_per_hour is not None and options.disk_write_bytes_per_hour < 1:
+        print(f"kvstate serve: --disk-write-bytes-per-hour is a size of at least 1 byte; "
+              f"got {options.disk_write_bytes_per_hour}", file=sys.stderr)
         return 2
     if options.shared_prefix_wait is not None and not options.shared_prefix_wait >= 0:
         print(f"kvstate serve: --shared-prefix-wait is seconds, 0 or more; got {options.shared_prefix_wait}",

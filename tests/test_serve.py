@@ -432,3 +432,40 @@ def test_a_negative_shared_prefix_wait_is_refused(model_dir):
     result = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model", str(model_dir),
                              "--shared-prefix-wait", "-1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--shared-prefix-wait" in result.stderr and "Traceback" not in result.stderr
+
+
+def _wear(server: Server, disk: Path) -> tuple[float, float]:
+    """A three-turn conversation, then a pause and one more request (the clock reaches the service at
+    each request): the bytes the disk tier wrote, and the files it holds."""
+    converse(server, [SYSTEM, {"role": "user", "content": "Tell me about the sea."}], turns=3)
+    time.sleep(2.5)
+    chat(server, [{"role": "user", "content": "Something else entirely."}], max_tokens=2)
+    return server.metrics()["kvstate_bytes_written_total"], len(list(disk.rglob("*.safetensors")))
+
+
+def test_an_idle_write_rule_writes_only_what_is_not_superseded_soon(model_dir, tmp_path):
+    """Every kept state is written by default (the system and user segment ends and the end of each
+    turn); with --disk-write-idle only what sat idle that long is, and the end of the last turn is."""
+    every = tmp_path / "every"
+    idle = tmp_path / "idle"
+    common = ("--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
+    default = Server(model_dir, "--disk-dir", str(every), *common)
+    try:
+        written_always, files_always = _wear(default, every)
+    finally:
+        default.stop()
+    waiting = Server(model_dir, "--disk-dir", str(idle), *common, "--disk-write-idle", "2")
+    try:
+        written_idle, files_idle = _wear(waiting, idle)
+        assert waiting.metrics()["kvstate_spills_total"] >= 1  # the last turn's end, idle 2.5 s, was written
+    finally:
+        waiting.stop()
+    assert 0 < written_idle < written_always / 2 and files_idle < files_always
+
+
+@pytest.mark.parametrize("flag, value", [("--disk-write-idle", "0"), ("--disk-write-idle", "-3"),
+                                         ("--disk-write-bytes-per-hour", "0")])
+def test_bad_disk_wear_flags_are_refused(model_dir, flag, value):
+    result = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model", str(model_dir),
+                             flag, value], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and flag in result.stderr and "Traceback" not in result.stderr
