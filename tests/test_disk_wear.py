@@ -99,6 +99,53 @@ def test_without_write_behind_nothing_is_written_when_idle():
     assert service.report().spills == 0
 
 
+@pytest.mark.parametrize("exactly_one_fits", [True, False])
+def test_idle_writes_wait_for_room_in_the_write_queue(exactly_one_fits):
+    nbytes = SPEC.bytes_for(40)
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=SPEC.bytes_for(4000),
+                                       write_idle_after=30.0,
+                                       write_queue_bytes=nbytes if exactly_one_fits else nbytes - 1,
+                                       interpreter_options={"deferred_writes": True})
+    serve(service, tuple(range(40)))
+    serve(service, tuple(range(1000, 1040)))
+    service.tick(31.0)  # both idle: the queue holds one write (or none)
+    report = service.report()
+    assert (report.pending_writes, report.dropped_writes) == ((1, 0) if exactly_one_fits else (0, 0))
+    service.boundary()  # the write lands; the other waited for the room and takes it now
+    service.tick(32.0)
+    service.boundary()
+    assert service.report().spills == (2 if exactly_one_fits else 0)
+
+
+def test_an_idle_entry_that_could_never_pay_back_its_read_is_not_written():
+    from kvstate.interpreters.simulator import CostModel, SimDisk
+
+    read_bytes_per_s = 1e9
+    service = KvCacheService.simulated(
+        SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=SPEC.bytes_for(4000), write_idle_after=30.0,
+        interpreter_options={"disk": SimDisk(), "cost": CostModel(restore_bytes_per_second=read_bytes_per_s)})
+    first = tuple(range(200))
+    serve(service, first)
+    service.tick(31.0)  # the pace is unknown: written
+    serve(service, tuple(range(5000, 5200)))  # pushes the first out of RAM
+    assert serve(service, first + (1,)).source is Source.DISK  # a read: its pace is learnt
+    read_seconds_per_token = SPEC.bytes_for(1000) / 1000 / read_bytes_per_s
+    service.measure_prefill(1000, 1000 * read_seconds_per_token / 10)  # prefill ten times faster than a read
+    written = service.report().spills
+    serve(service, tuple(range(9000, 9100)))
+    service.tick(100.0)
+    assert service.report().spills == written
+
+
+def test_without_a_disk_tier_the_clock_moves_nothing():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), demote_idle_after=10.0,
+                                       write_idle_after=10.0)
+    serve(service, tuple(range(100)))
+    service.tick(100.0)
+    report = service.report()
+    assert (report.entries, report.demotions, report.spills) == (1, 0, 0)
+
+
 # ---------------------------------------------------------------- the write-rate cap
 
 
