@@ -27,7 +27,7 @@ from kvstate.effects.completions import Scanned
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, WriteFailed
+from kvstate.interpreters.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, WriteFailed
 from kvstate.interpreters.service import KvCacheService
 from kvstate.interpreters.weights_identity import weights_fingerprint
 from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
@@ -288,7 +288,7 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
                 spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
                 policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
                 pressure: Callable[[int], bool] | None = None, weights_dir: str | None = None,
-                **options: Any) -> KvCacheService:
+                disk_loader: str | None = None, **options: Any) -> KvCacheService:
     """A service on the MLX interpreter for a loaded mlx-lm ``model``.
 
     The geometry is read off the model (or given as ``spec``); the identity
@@ -302,7 +302,10 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
     ``weights_dir``, the directory the model was loaded from (no adapter on
     top), gives the identity from its weight files, hashed once and
     remembered (:mod:`~kvstate.interpreters.weights_identity`), instead of
-    hashing every loaded weight at every start.
+    hashing every loaded weight at every start. ``disk_loader`` says how
+    restores read a file (``"buffer"``: into a reused host buffer, then copied;
+    ``"mlx"``: MLX's own safetensors loader; None: by device, see
+    :func:`~kvstate.interpreters.disk_store.default_loader`).
     """
     spec = spec or spec_from_model(model, name)
     fingerprint = weights_fingerprint(weights_dir) if weights_dir is not None else model_fingerprint(model, config)
@@ -312,7 +315,11 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
     if disk_dir is not None:
         if disk_bytes is None:
             raise InvalidConfig("disk_dir needs disk_bytes: the byte budget of the disk tier")
-        store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget, write_file=write_file)
+        if disk_loader is not None and disk_loader not in LOADERS:
+            raise InvalidConfig(f"disk_loader must be one of {LOADERS} or None (chosen by device), "
+                                f"got {disk_loader!r}")
+        store = DiskStore(disk_dir, identity, verify=verify, budget=root_budget, write_file=write_file,
+                          loader=disk_loader)
     elif disk_bytes is not None:
         raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
     try:

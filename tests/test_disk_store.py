@@ -15,7 +15,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 from kvstate import KvCacheService, Request, Source
 from kvstate.effects import DiskKey, FailureReason
 from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.interpreters.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, read_header
 from kvstate.models.reference import build
 
 IDENTITY = StoreIdentity("model-a", "tok-a", "cfg-a")
@@ -54,11 +54,12 @@ def state_arrays(caches):
     return out
 
 
+@pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_round_trip_of_every_cache_class(case, tmp_path):
+def test_round_trip_of_every_cache_class(case, loader, tmp_path):
     mx.random.seed(0)
     caches = CASES[case]()
-    store = DiskStore(tmp_path, IDENTITY)
+    store = DiskStore(tmp_path, IDENTITY, loader=loader)
     key = DiskKey("n", tuple(range(37)))
     store.commit(store.encode_prefix(key, caches, mlx_caches.trimmable(caches), mlx_caches.live_bytes(caches)))
     loaded = store.read_prefix(key)
@@ -87,8 +88,8 @@ def test_restores_through_the_reused_read_buffer_never_share_it(tmp_path):
     assert {key: state_arrays(caches) for key, caches in restored.items()} == originals
 
 
-def saved(tmp_path, tokens=tuple(range(37))):
-    store = DiskStore(tmp_path, IDENTITY)
+def saved(tmp_path, tokens=tuple(range(37)), loader=None):
+    store = DiskStore(tmp_path, IDENTITY, loader=loader)
     caches = [filled(KVCache(), len(tokens))]
     key = DiskKey("n", tokens)
     store.commit(store.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
@@ -107,8 +108,9 @@ def flip(path, offset):
 
 @pytest.mark.parametrize("damage", ["tensor-bit", "header-bit", "truncated-in-header", "truncated-in-data",
                                     "empty", "garbage"])
-def test_damaged_files_are_rejected_and_moved_aside(damage, tmp_path):
-    store, key, path = saved(tmp_path)
+@pytest.mark.parametrize("loader", LOADERS)
+def test_damaged_files_are_rejected_and_moved_aside(damage, loader, tmp_path):
+    store, key, path = saved(tmp_path, loader=loader)
     size, start = path.stat().st_size, 8 + header_length(path)
     if damage == "tensor-bit":
         flip(path, start + 100)
@@ -128,6 +130,29 @@ def test_damaged_files_are_rejected_and_moved_aside(damage, tmp_path):
     assert not path.exists()
     assert list(store.rejected_directory.iterdir())
     assert store.rejected and store.rejected[0][0] == path.name
+
+
+def test_an_unknown_loader_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="loader"):
+        DiskStore(tmp_path, IDENTITY, loader="mmap")
+
+
+def test_a_service_with_an_unknown_loader_is_refused_before_it_claims_the_directory(tmp_path):
+    from kvstate import InvalidConfig
+
+    model, config = build("llama", seed=3)
+    with pytest.raises(InvalidConfig, match="disk_loader"):
+        KvCacheService.for_mlx(model, config=config, ram_bytes=1 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 20,
+                               disk_loader="mmap")
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=1 << 20, disk_dir=str(tmp_path),
+                                     disk_bytes=1 << 20, disk_loader="mlx")
+    assert service.interpreter.store.loader == "mlx"
+    service.close()
+
+
+def test_the_loader_is_chosen_by_device(tmp_path):
+    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    assert DiskStore(tmp_path, IDENTITY).loader == ("mlx" if on_cuda else "buffer")
 
 
 def test_a_foreign_identity_is_never_restored(tmp_path):

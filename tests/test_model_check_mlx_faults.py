@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstate import KvCacheService, KvStateError, Request
 from kvstate.models.reference import build
+from kvstate.interpreters.disk_store import LOADERS
 from tests.faults import DiskFaults
 
 MODEL, CONFIG = build("llama", seed=81)
@@ -50,8 +51,9 @@ def keys_and_values(caches, length: int) -> list:
 class ServiceUnderDiskFaults(RuleBasedStateMachine):
     """One service over one directory; reads and writes below it fail at the drawn rate."""
 
-    @initialize(rate=st.sampled_from([0.0, 0.1, 0.3, 0.6]), seed=st.integers(0, 1000))
-    def start(self, rate, seed):
+    @initialize(rate=st.sampled_from([0.0, 0.1, 0.3, 0.6]), seed=st.integers(0, 1000), loader=st.sampled_from(LOADERS))
+    def start(self, rate, seed, loader):
+        self.loader = loader  # how restores read a file: both ways meet the same faults
         self.directory = tempfile.mkdtemp(prefix="kvstate-faults-")
         self.faults = DiskFaults(rate, seed)
         self.reads = self.faults.installed()
@@ -64,7 +66,8 @@ class ServiceUnderDiskFaults(RuleBasedStateMachine):
         # RAM for about three prompts' caches: publishes evict, pressure spills, restores read files.
         return KvCacheService.for_mlx(MODEL, config=CONFIG, name="faults", ram_bytes=24 << 10,
                                       disk_dir=self.directory, disk_bytes=1 << 22,
-                                      write_file=self.faults.write_file, background_writes=False)
+                                      write_file=self.faults.write_file, background_writes=False,
+                                      disk_loader=self.loader)
 
     def teardown(self):
         try:
