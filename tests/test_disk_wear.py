@@ -7,8 +7,9 @@ known from the report, so the tests say exactly which entries were written.
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvstate import InvalidConfig, KvCacheService, Request, Source, model_spec
+from kvstate import InvalidConfig, KvCacheService, Source, model_spec
 from kvstate.interpreters.simulator import FaultPlan
+from tests.test_pace import serve
 
 SPEC = model_spec("llama-3.2-1b")
 HOUR = 3600.0
@@ -16,15 +17,6 @@ HOUR = 3600.0
 
 def build(**options):
     return KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=SPEC.bytes_for(4000), **options)
-
-
-def serve(service, prompt, namespace="n"):
-    request = Request(prompt, 4)
-    state = service.acquire(request, namespace)
-    caches = service.interpreter.prefill(state.caches, tuple(prompt[state.reused_tokens:]))
-    service.publish(request, namespace, tuple(prompt), caches)
-    service.release(request)
-    return state
 
 
 def file_bytes(prompt) -> int:
