@@ -27,13 +27,15 @@ def as_tokens(tokens: object, what: str = "prompt", known: tuple[int, ...] = ())
         return tokens
     if type(tokens) in (list, tuple):
         try:  # the common case, checked in C: every id an integer in 0 .. 2**64 - 1
-            result = tuple(array.array("Q", tokens).tolist())
+            array.array("Q", tokens)
         except (TypeError, OverflowError):
             pass  # the checks below say what is wrong (or accept an id of 2**64 and above)
         else:
-            if not result:
+            if not tokens:
                 raise InvalidRequest(f"{what} is empty: a request needs at least one token")
-            return result
+            # The caller's own int objects: a later comparison with the caller's tokens (a publish of
+            # the prompt and what followed) finds them identical without comparing values.
+            return tuple(tokens)
     if isinstance(tokens, (str, bytes)):
         raise InvalidRequest(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     try:
