@@ -132,12 +132,11 @@ def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded
     """Start writing RAM-only ``entry`` to disk, making disk room (evicting saved state only when
     ``evict``); a full queue or disk drops the write, and so does the write-rate cap. A flush is not
     ``bounded``: it writes past the queue's bound and the cap (and is charged to the cap)."""
-    if bounded and d.writes.bytes + entry.nbytes > d.config.write_queue_bytes:
-        d.count("dropped_writes")
-        return
-    if bounded and not within_write_rate(d, entry.file_bytes):
-        d.count("spills_over_rate")
-        return
+    if bounded:
+        blocked = _spill_blocked(d, entry)
+        if blocked is not None:
+            d.count(blocked)
+            return
     if not evict and d.disk.bytes + entry.file_bytes > d.disk.capacity:
         d.count("dropped_writes")
         return
@@ -151,6 +150,16 @@ def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded
     out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
                              entry.file_bytes))
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
+
+
+def _spill_blocked(d: Draft, entry: Entry) -> str | None:
+    """What keeps ``entry`` from being written now, as the counter it would count (None: nothing):
+    the write queue's bound, then the write-rate cap."""
+    if d.writes.bytes + entry.nbytes > d.config.write_queue_bytes:
+        return "dropped_writes"
+    if not within_write_rate(d, entry.file_bytes):
+        return "spills_over_rate"
+    return None
 
 
 HOUR = 3600.0
@@ -174,12 +183,13 @@ def _charge_write_rate(d: Draft, nbytes: int) -> None:
         d.writes = Writes(w.count, w.bytes, _write_rate_spent(d) + nbytes, d.now)
 
 
-def spill_pays(d: Draft, entry: Entry) -> bool:
+def spill_pays(d: Draft, entry: Entry, counted: bool = True) -> bool:
     """Whether writing ``entry`` to disk can pay back: reading it again beats prefilling its tokens
-    (objects are not prefilled: always written). Counted where it cannot."""
+    (objects are not prefilled: always written). Counted where it cannot, when ``counted``."""
     if entry.namespace == OBJECTS or read_pays(d.pace, entry.file_bytes, len(entry.tokens)):
         return True
-    d.count("spills_passed_up")
+    if counted:
+        d.count("spills_passed_up")
     return False
 
 
@@ -354,11 +364,8 @@ def _write_idle(d: Draft, after: float, out: list) -> None:
     for entry in list(d.entries.values()):
         if entry.residence is not R.RAM or entry.last_used > d.now - after:
             continue
-        if d.writes.bytes + entry.nbytes > d.config.write_queue_bytes or not within_write_rate(d, entry.file_bytes):
-            continue
-        if entry.namespace != OBJECTS and not read_pays(d.pace, entry.file_bytes, len(entry.tokens)):
-            continue
-        start_spill(d, entry, out)
+        if _spill_blocked(d, entry) is None and spill_pays(d, entry, counted=False):
+            start_spill(d, entry, out)  # a wait is counted nowhere: the entry is tried again at the next tick
 
 
 # ---------------------------------------------------------------- prefetch and rejected files
