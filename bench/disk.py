@@ -15,6 +15,7 @@ run, for each size:
 Ratios are store time / raw time (1.0 = as fast as the raw operation).
 
     python bench/disk.py [--sizes-mb 64,512] [--repeat 3]
+    python bench/disk.py --loaders 12   # the store's two loaders against a raw read, interleaved
 """
 
 from __future__ import annotations
@@ -116,11 +117,58 @@ def drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
+def loaders(megabytes: int, rounds: int, directory: str, cold: bool) -> dict[str, float]:
+    """The store's two loaders and a raw read of the same file, interleaved round by round (so the
+    machine's drift falls on all three alike), verified; median milliseconds over the rounds after
+    the first two (which pay fresh memory)."""
+    import statistics
+
+    from kvstate.interpreters.disk_store import LOADERS, read_into
+
+    tokens = megabytes * (1 << 20) // SPEC.bytes_per_token
+    caches = caches_of(tokens)
+    identity = StoreIdentity("bench", "none", f"loaders-{megabytes}")
+    stores = {loader: DiskStore(directory, identity, loader=loader) for loader in LOADERS}
+    key = DiskKey("bench", tuple(range(tokens)))
+    first = stores[LOADERS[0]]
+    first.commit(first.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
+    del caches
+    path = str(first.prefix_path(key))
+    buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
+
+    def raw():
+        with open(path, "rb", buffering=0) as file:
+            read_into(file, memoryview(buffer))
+    calls = {f"loader {loader}": (lambda s=store: mx.eval(mlx_caches.arrays_of(s.read_prefix(key))))
+             for loader, store in stores.items()}
+    calls["raw read"] = raw
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if cold:
+                drop_page_cache(path)
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(values[2:]) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="64,512")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--loaders", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the store's two loaders against a raw read, interleaved for ROUNDS rounds, "
+                             "page cache warm and dropped")
     args = parser.parse_args()
+    if args.loaders:
+        with tempfile.TemporaryDirectory() as directory:
+            for size in args.sizes_mb.split(","):
+                for cold in (False, True):
+                    row = loaders(int(size), args.loaders, directory, cold)
+                    print(f"{size} MB, page cache {'dropped' if cold else 'warm'}, verified, median ms: "
+                          + ", ".join(f"{name} {ms:.1f}" for name, ms in row.items()), flush=True)
+        return
     with tempfile.TemporaryDirectory() as directory:
         rows = [measure(int(size), args.repeat, directory) for size in args.sizes_mb.split(",")]
     print("ratios: kvstate time / raw time in the same run (lower is better; 1.0 = as fast as raw)")
