@@ -117,23 +117,28 @@ def drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
+def saved_for_each_loader(tokens: int, directory: str) -> tuple[dict, DiskKey, str]:
+    """One saved entry of ``tokens`` tokens, and a store reading it through each loader."""
+    from kvstate.interpreters.disk_store import LOADERS
+
+    caches = caches_of(tokens)
+    identity = StoreIdentity("bench", "none", f"loaders-{tokens}")
+    stores = {loader: DiskStore(directory, identity, loader=loader) for loader in LOADERS}
+    key = DiskKey("bench", tuple(range(tokens)))
+    first = stores[LOADERS[0]]
+    first.commit(first.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
+    return stores, key, str(first.prefix_path(key))
+
+
 def loaders(megabytes: int, rounds: int, directory: str, cold: bool) -> dict[str, float]:
     """The store's two loaders and a raw read of the same file, interleaved round by round (so the
     machine's drift falls on all three alike), verified; median milliseconds over the rounds after
     the first two (which pay fresh memory)."""
     import statistics
 
-    from kvstate.interpreters.disk_store import LOADERS, read_into
+    from kvstate.interpreters.disk_store import read_into
 
-    tokens = megabytes * (1 << 20) // SPEC.bytes_per_token
-    caches = caches_of(tokens)
-    identity = StoreIdentity("bench", "none", f"loaders-{megabytes}")
-    stores = {loader: DiskStore(directory, identity, loader=loader) for loader in LOADERS}
-    key = DiskKey("bench", tuple(range(tokens)))
-    first = stores[LOADERS[0]]
-    first.commit(first.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
-    del caches
-    path = str(first.prefix_path(key))
+    stores, key, path = saved_for_each_loader(megabytes * (1 << 20) // SPEC.bytes_per_token, directory)
     buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
 
     def raw():

@@ -125,20 +125,12 @@ def restore() -> None:
     same file into a reused buffer."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
-    from kvstate.effects import DiskKey
     from kvstate.interpreters import mlx_caches
-    from kvstate.interpreters.disk_store import LOADERS, DiskStore, StoreIdentity, read_into
+    from kvstate.interpreters.disk_store import read_into
 
     directory = tempfile.mkdtemp()
     for tokens in (4096, 16384):
-        caches = disk.caches_of(tokens)
-        identity = StoreIdentity("bench", "none", f"restore-{tokens}")
-        stores = {loader: DiskStore(directory, identity, loader=loader) for loader in LOADERS}
-        key = DiskKey("bench", tuple(range(tokens)))
-        first = stores[LOADERS[0]]
-        first.commit(first.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
-        del caches
-        path = first.prefix_path(key)
+        stores, key, path = disk.saved_for_each_loader(tokens, directory)
         size = os.path.getsize(path)
         buffer = np.empty(size, dtype=np.uint8)
         mx.eval(mx.sum(mx.array(buffer[:1024]).view(mx.uint32)))  # kernels compiled before anything is timed
