@@ -87,7 +87,7 @@ def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, lis
         times["publish"].append(timed(lambda: service.publish(miss, "bench", miss_prompt, caches)))
         times["release"].append(timed(lambda: service.release(hit)))
         times["request"].append(times["admit"][-1] + times["acquire hit"][-1] + times["release"][-1])
-        times["index lookup"].append(timed(lambda: index.longest("bench", hit_prompt)))
+        times["index lookup"].append(timed(lambda: index.longest("bench", hit.prompt)))
         times[BASELINE].append(timed(lambda: table.get(hit_prompt)))
         service.release(miss)
         if peer is None:

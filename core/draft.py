@@ -13,9 +13,7 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.state import Counters, Entry, ServiceState, Tier, Writes
-
-_COUNTERS = tuple(field.name for field in attrs.fields(Counters))
+from kvstate.core.state import Entry, ServiceState, Tier, Writes
 
 
 @attrs.frozen
@@ -62,10 +60,7 @@ class Draft:
         self.close_result, self.deferred = state.close_result, state.deferred
 
     def build(self) -> ServiceState:
-        counters = self.counters
-        if self.counts:
-            counts = self.counts
-            counters = Counters(*[getattr(counters, name) + counts.get(name, 0) for name in _COUNTERS])
+        counters = self.counters.plus(self.counts) if self.counts else self.counters
         return ServiceState(self.config, self.ram.frozen(), self.disk.frozen(), self.entries, self.leases,
                             self.projected_bytes, self.measured_bytes, self.writes, self.reading, self.acquiring, self.checkpoints,
                             self.sessions, counters, self.next_entry, self.now, self.pace, self.phase, self.close_result,

@@ -10,24 +10,29 @@ usable length always leaves one prompt token to compute.
 Updates copy the path from the root (persistence); children live in an
 ``immutables.Map`` (a C HAMT) because the root of a busy namespace has
 thousands of children and pyrsistent's pure-Python pmap costs 5-20x more per
-update there, measured on this project's machines.
+update there, measured on this project's machines. Labels hold packed token
+ids (:mod:`kvstate.core.tokens`), so following a prompt down the tree compares
+bytes.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Iterator
 
 import attrs
 import immutables
+
+from kvstate.core.tokens import WIDTH, Tokens, matched_bytes, packed, unpacked
 
 _NO_CHILDREN: immutables.Map = immutables.Map()
 
 
 @attrs.frozen
 class Node:
-    """A run of tokens shared by everything below it."""
+    """A run of tokens shared by everything below it (``label``: their packed ids)."""
 
-    label: tuple[int, ...]
+    label: bytes
     children: immutables.Map
     entry: int | None
     trimmable: bool
@@ -35,22 +40,7 @@ class Node:
     count: int
 
 
-_EMPTY_ROOT = Node((), _NO_CHILDREN, None, False, 0, 0)
-
-
-def common_prefix(label: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
-    """Length of the common prefix of ``label`` and ``tokens[start:]`` (a slice compare, then bisection)."""
-    n = len(label)
-    if tokens[start:start + n] == label:
-        return n
-    lo, hi = 0, n  # the first lo tokens agree; the first hi do not (a slice past the end is shorter)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tokens[start + lo:start + mid] == label[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+_EMPTY_ROOT = Node(b"", _NO_CHILDREN, None, False, 0, 0)
 
 
 def _with_child(node: Node, old: Node | None, new: Node | None, first: int) -> Node | None:
@@ -75,37 +65,46 @@ def _compact(node: Node) -> Node | None:
     return node
 
 
-def _insert(node: Node, tokens: tuple[int, ...], depth: int, entry: int, trimmable: bool) -> Node:
-    if depth == len(tokens):
+# Below, ``data`` is a token sequence's packed ids and ``depth`` an offset into it, in bytes.
+
+def _first(data: bytes, depth: int) -> int:
+    """The token id at byte offset ``depth``: children are keyed by it. (An int, not its bytes: an
+    int's hash is the same in every process, so the children's order, and so which of several
+    equal entries a lookup names, is too.)"""
+    return int.from_bytes(data[depth:depth + WIDTH], sys.byteorder)
+
+
+def _insert(node: Node, data: bytes, depth: int, entry: int, trimmable: bool) -> Node:
+    if depth == len(data):
         old_trim = int(node.entry is not None and node.trimmable)
         old_count = int(node.entry is not None)
         return Node(node.label, node.children, entry, trimmable,
                     node.trim_below - old_trim + trimmable, node.count - old_count + 1)
-    first = tokens[depth]
+    first = _first(data, depth)
     child = node.children.get(first)
     if child is None:
-        leaf = Node(tokens[depth:], _NO_CHILDREN, entry, trimmable, int(trimmable), 1)
+        leaf = Node(data[depth:], _NO_CHILDREN, entry, trimmable, int(trimmable), 1)
         return _with_child(node, None, leaf, first)
-    m = common_prefix(child.label, tokens, depth)
+    m = matched_bytes(child.label, data, depth)
     if m < len(child.label):
         tail = Node(child.label[m:], child.children, child.entry, child.trimmable, child.trim_below, child.count)
-        mid = Node(child.label[:m], immutables.Map({tail.label[0]: tail}), None, False,
+        mid = Node(child.label[:m], immutables.Map({_first(tail.label, 0): tail}), None, False,
                    child.trim_below, child.count)
-        return _with_child(node, child, _insert(mid, tokens, depth + m, entry, trimmable), first)
-    return _with_child(node, child, _insert(child, tokens, depth + m, entry, trimmable), first)
+        return _with_child(node, child, _insert(mid, data, depth + m, entry, trimmable), first)
+    return _with_child(node, child, _insert(child, data, depth + m, entry, trimmable), first)
 
 
-def _remove(node: Node, tokens: tuple[int, ...], depth: int) -> Node | None:
-    if depth == len(tokens):
+def _remove(node: Node, data: bytes, depth: int) -> Node | None:
+    if depth == len(data):
         if node.entry is None:
-            raise KeyError(tokens)
+            raise KeyError(unpacked(data))
         bare = Node(node.label, node.children, None, False, node.trim_below - node.trimmable, node.count - 1)
         return _compact(bare) if node.label else bare
-    first = tokens[depth]
+    first = _first(data, depth)
     child = node.children.get(first)
-    if child is None or common_prefix(child.label, tokens, depth) < len(child.label):
-        raise KeyError(tokens)
-    return _with_child(node, child, _remove(child, tokens, depth + len(child.label)), first)
+    if child is None or not data.startswith(child.label, depth):
+        raise KeyError(unpacked(data))
+    return _with_child(node, child, _remove(child, data, depth + len(child.label)), first)
 
 
 def _first_trimmable(node: Node) -> int:
@@ -115,8 +114,9 @@ def _first_trimmable(node: Node) -> int:
     return node.entry
 
 
-def _longest(root: Node, prompt: tuple[int, ...]) -> tuple[int, int | None]:
-    limit = len(prompt) - 1
+def _longest(root: Node, prompt: bytes) -> tuple[int, int | None]:
+    """``(bytes, entry)``: the longest usable prefix of the packed ``prompt``, in bytes."""
+    limit = len(prompt) - WIDTH
     best, best_entry, trim_node, trim_len = 0, None, None, 0
     node, depth = root, 0
     while True:
@@ -127,10 +127,10 @@ def _longest(root: Node, prompt: tuple[int, ...]) -> tuple[int, int | None]:
             best = trim_len
         if depth >= len(prompt):
             break
-        child = node.children.get(prompt[depth])
+        child = node.children.get(_first(prompt, depth))
         if child is None:
             break
-        m = common_prefix(child.label, prompt, depth)
+        m = matched_bytes(child.label, prompt, depth)
         if m < len(child.label):
             if child.trim_below and min(depth + m, limit) > best:
                 trim_node, trim_len = child, min(depth + m, limit)
@@ -142,12 +142,12 @@ def _longest(root: Node, prompt: tuple[int, ...]) -> tuple[int, int | None]:
     return best, best_entry
 
 
-def _walk(node: Node, prefix: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int, bool]]:
-    tokens = prefix + node.label
+def _walk(node: Node, prefix: bytes) -> Iterator[tuple[bytes, int, bool]]:
+    data = prefix + node.label
     if node.entry is not None:
-        yield tokens, node.entry, node.trimmable
+        yield data, node.entry, node.trimmable
     for child in node.children.values():
-        yield from _walk(child, tokens)
+        yield from _walk(child, data)
 
 
 @attrs.frozen
@@ -159,38 +159,40 @@ class PrefixIndex:
     def insert(self, namespace: str, tokens: tuple[int, ...], entry: int, trimmable: bool) -> "PrefixIndex":
         """The index with ``entry`` at ``tokens`` (replacing any entry there)."""
         root = self.roots.get(namespace, _EMPTY_ROOT)
-        return PrefixIndex(self.roots.set(namespace, _insert(root, tokens, 0, entry, trimmable)))
+        return PrefixIndex(self.roots.set(namespace, _insert(root, packed(tokens), 0, entry, trimmable)))
 
     def remove(self, namespace: str, tokens: tuple[int, ...]) -> "PrefixIndex":
         """The index without the entry at ``tokens``; ``KeyError`` if there is none."""
         root = self.roots.get(namespace)
         if root is None:
             raise KeyError(tokens)
-        new = _remove(root, tokens, 0)
+        new = _remove(root, packed(tokens), 0)
         return PrefixIndex(self.roots.delete(namespace) if new is None or not new.count
                            else self.roots.set(namespace, new))
 
     def exact(self, namespace: str, tokens: tuple[int, ...]) -> int | None:
         """The entry covering exactly ``tokens``, or None."""
+        data = packed(tokens)
         node, depth = self.roots.get(namespace), 0
         while node is not None:
-            if depth == len(tokens):
+            if depth == len(data):
                 return node.entry
-            child = node.children.get(tokens[depth])
-            if child is None or tokens[depth:depth + len(child.label)] != child.label:
+            child = node.children.get(_first(data, depth))
+            if child is None or not data.startswith(child.label, depth):
                 return None
             node, depth = child, depth + len(child.label)
         return None
 
     def prefixes_of(self, namespace: str, tokens: tuple[int, ...]) -> list[tuple[int, int, bool]]:
         """``(length, entry, trimmable)`` of every entry whose tokens are a strict prefix of ``tokens``."""
+        data = packed(tokens)
         found = []
         node, depth = self.roots.get(namespace), 0
-        while node is not None and depth < len(tokens):
+        while node is not None and depth < len(data):
             if node.entry is not None:
-                found.append((depth, node.entry, node.trimmable))
-            child = node.children.get(tokens[depth])
-            if child is None or tokens[depth:depth + len(child.label)] != child.label:
+                found.append((depth // WIDTH, node.entry, node.trimmable))
+            child = node.children.get(_first(data, depth))
+            if child is None or not data.startswith(child.label, depth):
                 break
             node, depth = child, depth + len(child.label)
         return found
@@ -200,13 +202,14 @@ class PrefixIndex:
         root = self.roots.get(namespace)
         if root is None:
             return 0, None
-        return _longest(root, prompt)
+        length, entry = _longest(root, packed(prompt))
+        return length // WIDTH, entry
 
     def __len__(self) -> int:
         return sum(root.count for root in self.roots.values())
 
-    def items(self) -> Iterator[tuple[str, tuple[int, ...], int, bool]]:
+    def items(self) -> Iterator[tuple[str, Tokens, int, bool]]:
         """Every ``(namespace, tokens, entry, trimmable)`` (tree order; for checks and listings)."""
         for namespace, root in self.roots.items():
-            for tokens, entry, trimmable in _walk(root, ()):
-                yield namespace, tokens, entry, trimmable
+            for data, entry, trimmable in _walk(root, b""):
+                yield namespace, unpacked(data), entry, trimmable

@@ -13,29 +13,35 @@ import operator
 import attrs
 
 from kvstate.core.errors import InvalidRequest
+from kvstate.core.tokens import Tokens
 
 
-def as_tokens(tokens: object, what: str = "prompt", known: tuple[int, ...] = ()) -> tuple[int, ...]:
-    """``tokens`` as a tuple of non-negative ints, or :class:`InvalidRequest` saying what is wrong.
+def as_tokens(tokens: object, what: str = "prompt", known: Tokens | None = None) -> Tokens:
+    """``tokens`` as :class:`Tokens` of ids in 0 .. 2**64 - 1, or :class:`InvalidRequest` saying what is wrong.
 
-    ``known`` is a token tuple already checked (a request's prompt): a tuple
-    that starts with it has only its remaining tokens checked.
+    ``known`` is a request's prompt, already checked: tokens that start with it
+    have only their remaining ids checked and packed.
     """
-    if known and type(tokens) is tuple and tokens[:len(known)] == known:
-        if len(tokens) > len(known):
-            as_tokens(tokens[len(known):], what)
+    if type(tokens) is Tokens:
         return tokens
-    if type(tokens) in (list, tuple):
+    if type(tokens) is list:
+        tokens = tuple(tokens)
+    if known and type(tokens) is tuple and len(tokens) >= len(known) and tokens[:len(known)] == known:
+        if len(tokens) == len(known):
+            return known
+        rest = as_tokens(tokens[len(known):], what)
+        return Tokens(tokens, known.packed + rest.packed)
+    if type(tokens) is tuple:
         try:  # the common case, checked in C: every id an integer in 0 .. 2**64 - 1
-            array.array("Q", tokens)
+            ids = array.array("Q", tokens)
         except (TypeError, OverflowError):
-            pass  # the checks below say what is wrong (or accept an id of 2**64 and above)
+            pass  # the checks below say what is wrong
         else:
             if not tokens:
                 raise InvalidRequest(f"{what} is empty: a request needs at least one token")
             # The caller's own int objects: a later comparison with the caller's tokens (a publish of
             # the prompt and what followed) finds them identical without comparing values.
-            return tuple(tokens)
+            return Tokens(tokens, ids.tobytes())
     if isinstance(tokens, (str, bytes)):
         raise InvalidRequest(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
     try:
@@ -46,7 +52,9 @@ def as_tokens(tokens: object, what: str = "prompt", known: tuple[int, ...] = ())
         raise InvalidRequest(f"{what} is empty: a request needs at least one token")
     if min(result) < 0:
         raise InvalidRequest(f"{what} holds a negative token id ({min(result)})")
-    return result
+    if max(result) >= 1 << 64:
+        raise InvalidRequest(f"{what} holds a token id above 2**64 - 1 ({max(result)})")
+    return Tokens(result)
 
 
 def _max_tokens(value: object) -> int:
@@ -104,7 +112,7 @@ class Request:
     ``continuation`` makes the generation replayable from checkpoints.
     """
 
-    prompt: tuple[int, ...] = attrs.field(converter=as_tokens, repr=lambda p: f"<{len(p)} tokens>")
+    prompt: Tokens = attrs.field(converter=as_tokens, repr=lambda p: f"<{len(p)} tokens>")
     max_tokens: int = attrs.field(converter=_max_tokens)
     session_id: str | None = attrs.field(default=None, converter=_optional_text("session_id"))
     reuses_prefix: bool = attrs.field(default=True, converter=_flag("reuses_prefix"))

@@ -11,7 +11,6 @@ then keeps or drops the state once they settle.
 
 from __future__ import annotations
 
-import attrs
 
 from kvstate.core import admission, events as ev
 from kvstate.core.checkpoints import forget_checkpoint
@@ -39,7 +38,7 @@ def admit(state: ServiceState, e: ev.Admit):
     if not admission.has_room(state, projected):
         return Step(state, (), Admission.WAIT)
     d = Draft(state)
-    d.lease_set(e.lease, attrs.evolve(lease or Lease(request), admitted=True, admitted_bytes=need))
+    d.lease_set(e.lease, (lease or Lease(request)).admitted_with(need))
     d.projected_bytes = projected
     return Step(d.build(), (), Admission.ADMITTED)
 

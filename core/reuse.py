@@ -11,14 +11,13 @@ a :class:`~kvstate.core.state.Waiting` record) until its completion arrives.
 
 from __future__ import annotations
 
-import attrs
 
 from kvstate.core import admission, events as ev
 from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, size_text
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.errors import NotAdmitted, RequestAlreadyAcquired
-from kvstate.core.prefix_index import common_prefix
+from kvstate.core.tokens import common_prefix, starts_with
 from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
@@ -36,9 +35,8 @@ def usable_length(entry: Entry, prompt: tuple[int, ...]) -> int:
     """Prompt tokens ``entry`` can serve (the reuse rules, for one entry)."""
     limit = len(prompt) - 1
     if entry.trimmable:
-        return min(common_prefix(entry.tokens, prompt, 0), limit)
-    n = len(entry.tokens)
-    return n if n <= limit and prompt[:n] == entry.tokens else 0
+        return min(common_prefix(entry.tokens, prompt), limit)
+    return len(entry.tokens) if len(entry.tokens) <= limit and starts_with(prompt, entry.tokens) else 0
 
 
 def acquire(state: ServiceState, e: ev.Acquire) -> Step:
@@ -54,7 +52,7 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     d = Draft(state)
     if not lease.admitted:
         lease = _admitted_implicitly(d, lease)
-    d.lease_set(e.lease, attrs.evolve(lease, namespace=namespace, checkpoint_key=key))
+    d.lease_set(e.lease, lease.acquiring_in(namespace, key))
     record = state.checkpoints.get(key) if key is not None else None
     out: list = []
     if record is not None and record.durable_tokens > 0:
@@ -77,13 +75,13 @@ def _admitted_implicitly(d: Draft, lease: Lease) -> Lease:
         raise NotAdmitted(f"acquire of a request never admitted, and the KV budget has no room for its "
                           f"{size_text(need)} now; call admit() first and wait while it returns False")
     d.projected_bytes = projected
-    return attrs.evolve(lease, admitted=True, admitted_bytes=need)
+    return lease.admitted_with(need)
 
 
 def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int | None) -> Pending:
     """Park an acquire (or an object get: ``lease_id`` None) until the read into ``handle`` completes."""
     if lease_id is not None:
-        d.lease_set(lease_id, attrs.evolve(d.leases[lease_id], pending_handle=handle))
+        d.lease_set(lease_id, d.leases[lease_id].waiting_on(handle))
     d.acquiring = d.acquiring.set(handle, Waiting(lease_id, tokens))
     return Pending(handle)
 
@@ -144,7 +142,7 @@ def finish_acquire(d: Draft, lease_id: int, handle: int, reused: int, source: So
                    resumed_tokens: tuple[int, ...] = ()) -> Acquired:
     """The lease holds its state now: counted as a hit or a miss (and a session hit or miss)."""
     lease = d.leases[lease_id]
-    d.lease_set(lease_id, attrs.evolve(lease, acquired=True, pending_handle=None))
+    d.lease_set(lease_id, lease.holding())
     d.acquiring = without(d.acquiring, handle)
     if count:
         hit = reused > 0

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import attrs
 
-from kvstate.core.prefix_index import common_prefix
+from kvstate.core.tokens import common_prefix
 
 
 @attrs.frozen
@@ -39,7 +39,7 @@ def shared_target(prompt: tuple[int, ...], reusable: int, computing: Iterable[Co
     best = 0
     limit = len(prompt) - 1
     for other in computing:
-        shared = common_prefix(other.prompt, prompt, 0)
+        shared = common_prefix(other.prompt, prompt)
         for boundary in other.boundaries:
             if boundary <= other.position:
                 continue  # published already (or not kept): what is reusable says which

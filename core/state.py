@@ -13,10 +13,11 @@ where pyrsistent's pure-Python pmap costs 5-20x more, measured on this project's
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import immutables
+import xxhash
 
 from kvstate.core.errors import InvalidConfig, InvalidNamespace, InvalidRequest
 from kvstate.core.policies import EvictionPolicy, policy
@@ -24,6 +25,7 @@ from kvstate.core.policies.lru import LRU
 from kvstate.core.prefix_index import PrefixIndex
 from kvstate.core.request import Request
 from kvstate.core.retention import Retention
+from kvstate.core.tokens import packed
 from kvstate.models.spec import ModelSpec
 
 GiB = 1024 ** 3
@@ -205,6 +207,12 @@ class Entry:
     #: Reads of its file that hit an I/O error in a row (an I/O error is not evidence of a bad file).
     read_errors: int = 0
 
+    def used(self, now: float, read_errors: int) -> "Entry":
+        """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
+        commonest change)."""
+        return Entry(self.id, self.namespace, self.tokens, self.nbytes, self.trimmable, self.residence, now,
+                     self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors)
+
 
 @attrs.frozen
 class Lease:
@@ -220,6 +228,28 @@ class Lease:
     #: The generation checkpoint key (namespace + identity + continuation key).
     checkpoint_key: str | None = None
 
+    # The changes a lease goes through, each built directly (``attrs.evolve`` walks every field).
+
+    def admitted_with(self, nbytes: int) -> "Lease":
+        """Admitted, holding ``nbytes`` of the KV budget."""
+        return Lease(self.request, nbytes, True, self.acquired, self.namespace, self.pending_handle,
+                     self.checkpoint_key)
+
+    def acquiring_in(self, namespace: str, checkpoint_key: str | None) -> "Lease":
+        """Its acquire looks in ``namespace`` (and resumes from ``checkpoint_key``, if any)."""
+        return Lease(self.request, self.admitted_bytes, self.admitted, self.acquired, namespace,
+                     self.pending_handle, checkpoint_key)
+
+    def waiting_on(self, handle: int) -> "Lease":
+        """Its acquire waits for the read into ``handle``."""
+        return Lease(self.request, self.admitted_bytes, self.admitted, self.acquired, self.namespace, handle,
+                     self.checkpoint_key)
+
+    def holding(self) -> "Lease":
+        """Its acquire is answered: it holds its state."""
+        return Lease(self.request, self.admitted_bytes, self.admitted, True, self.namespace, None,
+                     self.checkpoint_key)
+
 
 @attrs.frozen
 class CheckpointRecord:
@@ -234,9 +264,9 @@ class CheckpointRecord:
     pending_file_bytes: int = 0
 
 
-@attrs.frozen
-class Counters:
-    """Monotonic counts the report shows."""
+class Counters(NamedTuple):
+    """Monotonic counts the report shows. (A named tuple: a transition that counts copies all of
+    them, and :meth:`plus` does that as one list copy.)"""
 
     hits: int = 0
     misses: int = 0
@@ -271,6 +301,16 @@ class Counters:
     restores_passed_up: int = 0
     spills_passed_up: int = 0
     spills_over_rate: int = 0
+
+    def plus(self, counts: dict[str, int]) -> "Counters":
+        """These counters with ``counts`` (name -> increment) added."""
+        values = list(self)
+        for name, by in counts.items():
+            values[_COUNTER_AT[name]] += by
+        return Counters._make(values)
+
+
+_COUNTER_AT = {name: at for at, name in enumerate(Counters._fields)}
 
 
 EMPTY: immutables.Map = immutables.Map()
@@ -358,7 +398,7 @@ def check_namespace(namespace: object) -> str:
     """A namespace is a non-empty string without path separators or NUL (it names directories)."""
     if not isinstance(namespace, str) or not namespace:
         raise InvalidNamespace(f"namespace must be a non-empty string, got {namespace!r}")
-    if any(c in namespace for c in "/\\\x00") or namespace in (".", ".."):
+    if "/" in namespace or "\\" in namespace or "\x00" in namespace or namespace in (".", ".."):
         raise InvalidNamespace(f"namespace {namespace!r} holds a path separator, NUL or is a dot name; "
                                f"use letters, digits, '-', '_', ':' or '.' inside a name")
     return namespace
@@ -377,8 +417,9 @@ def object_tokens(key: str) -> tuple[int, ...]:
 
 
 def content_tag(namespace: str, tokens: tuple[int, ...]) -> int:
-    """A content identity for ghost lists; deterministic across processes (no str hash)."""
-    return hash((tuple(namespace.encode()), tokens))
+    """A content identity for ghost lists: xxh3-64 of the packed ids, seeded by the namespace, so it is
+    the same in every process (Python's own str and bytes hashes are not)."""
+    return xxhash.xxh3_64_intdigest(packed(tokens), seed=xxhash.xxh3_64_intdigest(namespace.encode()))
 
 
 def request_check(request: object) -> Request:

@@ -135,7 +135,7 @@ def test_published_tokens_are_checked_where_they_differ_from_the_prompt():
 def test_the_initial_state_holds_nothing_and_counts_nothing():
     state = initial_state(config(disk_capacity_bytes=10))
     counts = state.counters
-    assert attrs.asdict(counts) == dict.fromkeys(attrs.asdict(counts), 0)
+    assert counts._asdict() == dict.fromkeys(counts._fields, 0)
     assert (state.ram.bytes, state.disk.bytes, state.projected_bytes, len(state.entries)) == (0, 0, 0, 0)
 
 

@@ -4,9 +4,12 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from kvstate.core.prefix_index import Node, PrefixIndex
+from kvstate.core.tokens import WIDTH, Tokens, unpacked
 from tests.reference import longest_usable, usable
 
-token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(tuple)
+plain_lists = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(tuple)
+#: Plain tuples (packed when compared) and packed Tokens, mixed: the index answers the same.
+token_lists = st.one_of(plain_lists, plain_lists.map(Tokens))
 operation = st.tuples(st.booleans(), st.sampled_from(["a", "b"]), token_lists, st.booleans())
 #: Short runs, and long ones that grow and prune deep trees (short lists are hypothesis' favourite).
 operations = st.one_of(st.lists(operation, max_size=10), st.lists(operation, min_size=20, max_size=60))
@@ -61,7 +64,7 @@ def assert_compact_and_counted(node: Node, is_root: bool = False) -> tuple[int, 
     below the root is bare or a lone link (those are merged away). Returns the node's counts."""
     count, trim = int(node.entry is not None), int(node.entry is not None and node.trimmable)
     for first, child in node.children.items():
-        assert child.label and child.label[0] == first
+        assert child.label and unpacked(child.label[:WIDTH]) == (first,)
         below = assert_compact_and_counted(child)
         count, trim = count + below[0], trim + below[1]
     assert (node.count, node.trim_below) == (count, trim)

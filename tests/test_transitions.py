@@ -60,7 +60,7 @@ class Core:
 
     def counts(self):
         """The counters that are not zero."""
-        return {name: value for name, value in attrs.asdict(self.state.counters).items() if value}
+        return {name: value for name, value in self.state.counters._asdict().items() if value}
 
     def residence(self, entry):
         return self.state.entries[entry].residence if entry in self.state.entries else None
