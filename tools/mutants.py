@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: search finds is a kill that depends on luck, and wants an ``@example``.
 HYPOTHESIS_SEED = [0]
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
-TESTS = ["tests/test_transitions.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_errors.py",
+TESTS = ["tests/test_transitions.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_tokens.py", "tests/test_errors.py",
          "tests/test_lifecycle.py", "tests/test_sharing.py", "tests/test_batch_admission.py",
          "tests/test_objects_and_pressure.py", "tests/test_semantic_mistakes.py", "tests/test_contract.py",
          "tests/test_core_and_lab_policies.py", "tests/test_against_libcachesim.py",
