@@ -9,7 +9,10 @@ run, for each size:
 - restore: reading the entry back into mlx-lm caches (with and without hash
   verification), against the fastest plain read of the same bytes: ``readinto`` a buffer
   allocated once and reused; with the page cache warm (the file was just written) and dropped
-  (``posix_fadvise(DONTNEED)`` on both files before each read; Linux);
+  (``posix_fadvise(DONTNEED)`` on both files before each read; Linux); and against two floors
+  of any restore that ends in new MLX arrays: the same read into memory allocated for it (its
+  pages faulted in by the read), and the read followed by ``mx.array`` of the buffer (the one
+  copy into MLX's memory);
 - clone: the RAM copy ``acquire`` makes, against a numpy copy of the same bytes.
 
 Ratios are store time / raw time (1.0 = as fast as the raw operation).
@@ -90,6 +93,19 @@ def measure(megabytes: int, repeat: int, directory: str) -> dict[str, float]:
             while done < len(view):
                 done += file.readinto(view[done:])
     read = best(raw_read, repeat)
+
+    def raw_read_into_new_memory():
+        fresh = np.empty(len(buffer), dtype=np.uint8)  # what a restore's arrays are: memory not touched yet
+        with open(raw_path, "rb", buffering=0) as file:
+            view, done = memoryview(fresh), 0
+            while done < len(view):
+                done += file.readinto(view[done:])
+    fresh_read = best(raw_read_into_new_memory, repeat)
+
+    def raw_read_then_mlx_array():
+        raw_read()
+        mx.eval(mx.array(buffer))  # the one copy any restore into MLX arrays makes
+    to_mlx = best(raw_read_then_mlx_array, repeat)
     saved = store.prefix_path(key)
 
     def dropped(call):
@@ -105,7 +121,8 @@ def measure(megabytes: int, repeat: int, directory: str) -> dict[str, float]:
     clone = best(lambda: mx.eval(mlx_caches.arrays_of(mlx_caches.clone(caches, tokens))), repeat)
     copy = best(lambda: raw_bytes.copy(), repeat)
     return {"MB": nbytes / 1e6, "spill": spill, "raw write+fsync": write, "restore (verified)": verified,
-            "restore (no verify)": unverified, "raw read": read, **cold, "clone": clone, "numpy copy": copy}
+            "restore (no verify)": unverified, "raw read": read, "raw read, new memory": fresh_read,
+            "raw read, then mx.array": to_mlx, **cold, "clone": clone, "numpy copy": copy}
 
 
 def drop_page_cache(path: str) -> None:
@@ -185,6 +202,11 @@ def main() -> None:
               f"{row['restore (verified)'] / row['raw read']:>13.2f} "
               f"{row['restore (no verify)'] / row['raw read']:>23.2f} {cold:>18.2f} "
               f"{row['clone'] / row['numpy copy']:>11.2f}")
+    print("the floors a restore into new MLX arrays cannot beat, as the same ratios:")
+    print(f"{'entry':>10} {'restore/read into new memory':>29} {'restore/(read + mx.array)':>26}")
+    for row in rows:
+        print(f"{row['MB']:>8.0f}MB {row['restore (verified)'] / row['raw read, new memory']:>29.2f} "
+              f"{row['restore (verified)'] / row['raw read, then mx.array']:>26.2f}")
     print("seconds:")
     for row in rows:
         print("  " + ", ".join(f"{k} {v:.3f}" if k != "MB" else f"{v:.0f} MB" for k, v in row.items()))
