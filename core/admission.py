@@ -62,10 +62,11 @@ def admitted_requests(state: ServiceState) -> list[Request]:
     return [lease.request for lease in state.leases.values() if lease.admitted]
 
 
-def charge_with(state: ServiceState, request: Request) -> int:
-    """The projected bytes once ``request`` is admitted beside the admitted ones."""
+def charge_with(state: ServiceState, request: Request, own: int | None = None) -> int:
+    """The projected bytes once ``request`` is admitted beside the admitted ones (``own``: its
+    :func:`own_bytes`, where the caller has it)."""
     if state.config.batch_padding_step is None:
-        return state.projected_bytes + own_bytes(state, request)
+        return state.projected_bytes + (own_bytes(state, request) if own is None else own)
     return charge(state, [*admitted_requests(state), request])
 
 

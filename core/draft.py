@@ -42,29 +42,46 @@ class TierDraft:
 
 
 class Draft:
-    """A :class:`ServiceState` being built by one transition."""
+    """A :class:`ServiceState` being built by one transition: the state's fields, rebound in place,
+    and ``counts``, the counter increments of this transition. The fields are copied in and out
+    as one dict (``ServiceState`` keeps them in its instance dict), not one attribute at a time."""
 
-    __slots__ = ("config", "ram", "disk", "entries", "leases", "projected_bytes", "measured_bytes", "writes", "reading",
-                 "acquiring", "checkpoints", "sessions", "counters", "counts", "next_entry", "now", "pace", "phase",
-                 "close_result", "deferred")
+    # The state's fields, as the draft holds them (the values live in the instance dict).
+    config: Any
+    ram: TierDraft
+    disk: TierDraft
+    entries: Any
+    leases: Any
+    projected_bytes: int
+    measured_bytes: int
+    writes: Writes
+    reading: Any
+    acquiring: Any
+    checkpoints: Any
+    sessions: Any
+    counters: Any
+    next_entry: int
+    now: float
+    pace: Any
+    phase: Any
+    close_result: Any
+    deferred: Any
+    counts: dict[str, int]
 
     def __init__(self, state: ServiceState):
-        self.config = state.config
-        self.ram, self.disk = TierDraft(state.ram), TierDraft(state.disk)
-        self.entries, self.leases, self.projected_bytes = state.entries, state.leases, state.projected_bytes
-        self.measured_bytes = state.measured_bytes
-        self.writes, self.reading, self.acquiring = state.writes, state.reading, state.acquiring
-        self.checkpoints, self.sessions, self.counters = state.checkpoints, state.sessions, state.counters
-        self.counts: dict[str, int] = {}
-        self.next_entry, self.now, self.pace, self.phase = state.next_entry, state.now, state.pace, state.phase
-        self.close_result, self.deferred = state.close_result, state.deferred
+        fields = state.__dict__.copy()
+        fields["ram"], fields["disk"], fields["counts"] = TierDraft(state.ram), TierDraft(state.disk), {}
+        self.__dict__ = fields
 
     def build(self) -> ServiceState:
-        counters = self.counters.plus(self.counts) if self.counts else self.counters
-        return ServiceState(self.config, self.ram.frozen(), self.disk.frozen(), self.entries, self.leases,
-                            self.projected_bytes, self.measured_bytes, self.writes, self.reading, self.acquiring, self.checkpoints,
-                            self.sessions, counters, self.next_entry, self.now, self.pace, self.phase, self.close_result,
-                            self.deferred)
+        fields = self.__dict__.copy()
+        counts = fields.pop("counts")
+        if counts:
+            fields["counters"] = self.counters.plus(counts)
+        fields["ram"], fields["disk"] = self.ram.frozen(), self.disk.frozen()
+        state = object.__new__(ServiceState)
+        object.__setattr__(state, "__dict__", fields)  # exactly ServiceState's fields: the draft adds none
+        return state
 
     def mark(self) -> tuple:
         """What an attempt that may fail (making room) can change, to :meth:`rollback` to."""

@@ -34,11 +34,11 @@ def admit(state: ServiceState, e: ev.Admit):
     lease = state.leases.get(e.lease)
     if lease is not None and lease.admitted:
         return Step(state, (), Admission.ADMITTED)
-    projected = admission.charge_with(state, request)
+    projected = admission.charge_with(state, request, need)
     if not admission.has_room(state, projected):
         return Step(state, (), Admission.WAIT)
     d = Draft(state)
-    d.lease_set(e.lease, (lease or Lease(request)).admitted_with(need))
+    d.lease_set(e.lease, lease.admitted_with(need) if lease is not None else Lease(request, need, True))
     d.projected_bytes = projected
     return Step(d.build(), (), Admission.ADMITTED)
 

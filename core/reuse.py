@@ -70,7 +70,7 @@ def _admitted_implicitly(d: Draft, lease: Lease) -> Lease:
     check_context(d, request)
     need = admission.own_bytes(d, request)
     check_budget(d, request, need)
-    projected = admission.charge_with(d, request)
+    projected = admission.charge_with(d, request, need)
     if not admission.has_room(d, projected):
         raise NotAdmitted(f"acquire of a request never admitted, and the KV budget has no room for its "
                           f"{size_text(need)} now; call admit() first and wait while it returns False")

@@ -361,9 +361,13 @@ class Waiting:
     tokens: int | None
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class ServiceState:
-    """Everything the service decides from, as one value."""
+    """Everything the service decides from, as one value.
+
+    Its fields live in an instance dict, not slots, so that a transition copies them all in one
+    dict copy, and builds the next state from one (:class:`~kvstate.core.draft.Draft`).
+    """
 
     config: ServiceConfig
     ram: Tier                               # RAM entries plus reads into RAM in flight

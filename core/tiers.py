@@ -122,7 +122,9 @@ def insert_disk(d: Draft, entry: Entry) -> None:
 def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
     """``entry`` was used now: its stamp, and the policy of the tier that served it (a read of its file
     that worked also ends its run of I/O errors)."""
-    d.set_entry(entry.used(d.now, 0 if disk else entry.read_errors))
+    read_errors = 0 if disk else entry.read_errors
+    if entry.last_used != d.now or entry.read_errors != read_errors:
+        d.set_entry(entry.used(d.now, read_errors))
     tier = d.disk if disk else d.ram
     tier.policy = tier.strategy.accessed(tier.policy, entry.id)
 
