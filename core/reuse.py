@@ -35,8 +35,8 @@ def usable_length(entry: Entry, prompt: tuple[int, ...]) -> int:
     """Prompt tokens ``entry`` can serve (the reuse rules, for one entry)."""
     limit = len(prompt) - 1
     if entry.trimmable:
-        return min(common_prefix(entry.tokens, prompt), limit)
-    return len(entry.tokens) if len(entry.tokens) <= limit and starts_with(prompt, entry.tokens) else 0
+        return min(common_prefix(entry.packed, prompt), limit)
+    return len(entry.tokens) if len(entry.tokens) <= limit and starts_with(prompt, entry.packed) else 0
 
 
 def acquire(state: ServiceState, e: ev.Acquire) -> Step:
@@ -151,7 +151,7 @@ def finish_acquire(d: Draft, lease_id: int, handle: int, reused: int, source: So
         session = lease.request.session_id
         if session is not None and session in d.sessions and source is not Source.CHECKPOINT:
             source_entry = d.entries.get(entry) if entry is not None else None
-            own = source_entry is not None and d.sessions[session] == (source_entry.namespace, source_entry.tokens)
+            own = source_entry is not None and d.sessions[session] == (source_entry.namespace, source_entry.packed)
             d.count("session_hits" if own else "session_misses")
     return Acquired(lease_id, handle, reused, source, resumed, resumed_tokens)
 

@@ -190,6 +190,8 @@ class Entry:
     id: int
     namespace: str
     tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    #: The same ids packed (:mod:`kvstate.core.tokens`): what the prefix index and comparisons read.
+    packed: bytes = attrs.field(repr=False)
     nbytes: int
     trimmable: bool
     residence: Residence
@@ -210,7 +212,7 @@ class Entry:
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
         commonest change)."""
-        return Entry(self.id, self.namespace, self.tokens, self.nbytes, self.trimmable, self.residence, now,
+        return Entry(self.id, self.namespace, self.tokens, self.packed, self.nbytes, self.trimmable, self.residence, now,
                      self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors)
 
 
@@ -381,7 +383,7 @@ class ServiceState:
     reading: immutables.Map = EMPTY         # entry id -> restores in flight (pins its file)
     acquiring: immutables.Map = EMPTY       # handle -> Waiting, for acquires waiting on a read
     checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
-    sessions: immutables.Map = EMPTY        # session id -> (namespace, tokens) it last kept
+    sessions: immutables.Map = EMPTY        # session id -> (namespace, packed ids) it last kept
     counters: Counters = Counters()
     next_entry: int = 1
     now: float = 0.0

@@ -16,6 +16,7 @@ from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
 from kvstate.core.state import OBJECTS, Entry, Move, Phase, Residence, ServiceState, Writes, content_tag, moved
+from kvstate.core.tokens import packed, plain
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -97,7 +98,7 @@ def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
 def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residence | None, **changes) -> None:
     """``entry`` leaves ``tier`` (its index, its ``charge`` of bytes, its policy) for residence
     ``after``; None: the entry is gone."""
-    tier.index = tier.index.remove(entry.namespace, entry.tokens)
+    tier.index = tier.index.remove(entry.namespace, entry.packed)
     tier.bytes -= charge
     tier.policy = tier.strategy.removed(tier.policy, entry.id)
     if after is None:
@@ -109,13 +110,13 @@ def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residenc
 def insert_ram(d: Draft, entry: Entry) -> None:
     """Index ``entry`` (already set in a RAM residence) and tell the policy."""
     ram = d.ram
-    ram.index = ram.index.insert(entry.namespace, entry.tokens, entry.id, entry.trimmable)
+    ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, len(entry.tokens), entry.tag)
 
 
 def insert_disk(d: Draft, entry: Entry) -> None:
     disk = d.disk
-    disk.index = disk.index.insert(entry.namespace, entry.tokens, entry.id, entry.trimmable)
+    disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, len(entry.tokens), entry.tag)
 
 
@@ -202,21 +203,22 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
          trimmable: bool, session: str | None, protected: bool, notify: bool) -> tuple[list, object]:
     """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it;
     the effects and the reply."""
-    existing = d.ram.index.exact(namespace, tokens)
+    data, tokens = packed(tokens), plain(tokens)  # what the state keeps: never a Tokens (see core/tokens.py)
+    existing = d.ram.index.exact(namespace, data)
     if existing is not None:
         touch(d, d.entries[existing])
         d.count("duplicates")
         if session is not None:
-            d.sessions = d.sessions.set(session, (namespace, tokens))
+            d.sessions = d.sessions.set(session, (namespace, data))
         return [fx.DropPublished(handle)], Kept(existing, duplicate=True)
     out: list = []
-    tag = content_tag(namespace, tokens)
+    tag = content_tag(namespace, data)
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)  # before room is made for it
     if not make_ram_room(d, nbytes, out):
         reason = NotKeptReason.TOO_LARGE if nbytes > d.ram.capacity else NotKeptReason.NO_ROOM
         d.count("not_kept")
         return [fx.DropPublished(handle)], NotKept(reason)
-    saved = d.disk.index.exact(namespace, tokens) if d.config.has_disk else None
+    saved = d.disk.index.exact(namespace, data) if d.config.has_disk else None
     if saved is not None and d.entries[saved].residence is R.PREFETCHING:
         out.append(fx.DropPublished(handle))
         d.count("duplicates")
@@ -229,8 +231,8 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.ram.bytes += entry.nbytes
         out.append(fx.AdoptPublished(handle, entry.id))
     else:
-        entry = Entry(d.new_entry_id(), namespace, tokens, nbytes, trimmable, R.RAM, d.now, session, protected,
-                      tag, file_bytes=file_bytes)
+        entry = Entry(d.new_entry_id(), namespace, tokens, data, nbytes, trimmable, R.RAM, d.now, session,
+                      protected, tag, file_bytes=file_bytes)
         d.set_entry(entry)
         d.ram.bytes += nbytes
         insert_ram(d, entry)
@@ -241,7 +243,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
     if trimmable:
         _drop_served_prefixes(d, entry, out)
     if session is not None:
-        d.sessions = d.sessions.set(session, (namespace, tokens))
+        d.sessions = d.sessions.set(session, (namespace, data))
     if notify:
         out.append(fx.NotifyKept(fx.DiskKey(namespace, tokens)))
     d.count("kept")
@@ -251,7 +253,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
 def _drop_served_prefixes(d: Draft, longer: Entry, out: list) -> None:
     """RAM holds no trimmable prefix that the trimmable ``longer`` entry already serves: their RAM
     copies go (a saved copy stays). Pinned and protected entries stay."""
-    for _, entry_id, trimmable in d.ram.index.prefixes_of(longer.namespace, longer.tokens):
+    for _, entry_id, trimmable in d.ram.index.prefixes_of(longer.namespace, longer.packed):
         entry = d.entries[entry_id]
         if trimmable and entry.residence in (R.RAM, R.BOTH) and not entry.protected:
             drop_ram(d, entry, out)

@@ -1,12 +1,13 @@
 """Packed token ids answer what the plain tuples answer: equality, hashing, prefixes, pickling."""
 
+import gc
 import pickle
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from kvstate import InvalidRequest, Request
+from kvstate import InvalidRequest, KvCacheService, Request, model_spec
 from kvstate.core.request import as_tokens
 from kvstate.core.tokens import Tokens, common_prefix, packed, starts_with, unpacked
 
@@ -52,3 +53,26 @@ def test_a_request_packs_its_prompt_once_and_a_publish_extends_it():
 def test_ids_outside_64_bits_are_refused(bad):
     with pytest.raises(InvalidRequest):
         Request(bad, 4)
+
+
+def test_kept_state_holds_plain_tuples_the_collector_stops_tracking():
+    """What the state keeps for long is a plain tuple (and bytes), never a Tokens: CPython stops
+    tracking a plain tuple of ints, not a tuple subclass, and a full collection over many kept
+    entries would otherwise visit every id of every one."""
+    spec = model_spec("llama-3.1-8b")
+    service = KvCacheService.simulated(spec, ram_bytes=spec.bytes_for(10_000))
+    for turn in range(3):
+        prompt = list(range(1000 * turn, 1000 * turn + 100))  # three prompts, none a prefix of another
+        request = Request(prompt, 8, session_id="chat")
+        state = service.acquire(request)
+        service.publish(request, "default", prompt, service.interpreter.prefill(state.caches,
+                                                                               prompt[state.reused_tokens:]))
+        service.release(request)
+    gc.collect()
+    entries = list(service.state.entries.values())
+    assert len(entries) == 3
+    for entry in entries:
+        assert type(entry.tokens) is tuple and not gc.is_tracked(entry.tokens)
+        assert entry.packed == packed(entry.tokens)
+    ((namespace, key),) = service.state.sessions.values()
+    assert namespace == "default" and type(key) is bytes and key == packed(tuple(range(2000, 2100)))
