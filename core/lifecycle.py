@@ -15,7 +15,7 @@ from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.replies import FlushResult
 from kvstate.core.requests import publish
-from kvstate.core.tokens import packed, plain
+from kvstate.core.tokens import packed
 from kvstate.core.report import report
 from kvstate.core.state import (
     EMPTY, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
@@ -139,9 +139,8 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
             out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
             continue
         data = packed(record.tokens)
-        entry = Entry(d.new_entry_id(), namespace, tuple(plain(record.tokens)), data, record.nbytes,
-                      record.trimmable, R.DISK, d.now, None, False, content_tag(namespace, data),
-                      file_bytes=record.file_bytes)
+        entry = Entry(d.new_entry_id(), namespace, data, record.nbytes, record.trimmable, R.DISK, d.now, None,
+                      False, content_tag(namespace, data), file_bytes=record.file_bytes)
         d.set_entry(entry)
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)

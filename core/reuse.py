@@ -36,7 +36,7 @@ def usable_length(entry: Entry, prompt: tuple[int, ...]) -> int:
     limit = len(prompt) - 1
     if entry.trimmable:
         return min(common_prefix(entry.packed, prompt), limit)
-    return len(entry.tokens) if len(entry.tokens) <= limit and starts_with(prompt, entry.packed) else 0
+    return entry.length if entry.length <= limit and starts_with(prompt, entry.packed) else 0
 
 
 def acquire(state: ServiceState, e: ev.Acquire) -> Step:

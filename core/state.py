@@ -25,7 +25,7 @@ from kvstate.core.policies.lru import LRU
 from kvstate.core.prefix_index import PrefixIndex
 from kvstate.core.request import Request
 from kvstate.core.retention import Retention
-from kvstate.core.tokens import packed
+from kvstate.core.tokens import WIDTH, ids_of, packed
 from kvstate.models.spec import ModelSpec
 
 GiB = 1024 ** 3
@@ -189,9 +189,9 @@ class Entry:
 
     id: int
     namespace: str
-    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    #: The same ids packed (:mod:`kvstate.core.tokens`): what the prefix index and comparisons read.
-    packed: bytes = attrs.field(repr=False)
+    #: Its token ids, packed (:mod:`kvstate.core.tokens`): what the prefix index and comparisons read.
+    #: Only packed: a kept tuple of ids is one more object for the cyclic collector to scan id by id.
+    packed: bytes = attrs.field(repr=lambda p: f"<{len(p) // WIDTH} tokens>")
     nbytes: int
     trimmable: bool
     residence: Residence
@@ -209,10 +209,20 @@ class Entry:
     #: Reads of its file that hit an I/O error in a row (an I/O error is not evidence of a bad file).
     read_errors: int = 0
 
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Its token ids (unpacked on each call: effects that name its file, checks, listings)."""
+        return ids_of(self.packed)
+
+    @property
+    def length(self) -> int:
+        """How many tokens it covers."""
+        return len(self.packed) // WIDTH
+
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
         commonest change)."""
-        return Entry(self.id, self.namespace, self.tokens, self.packed, self.nbytes, self.trimmable, self.residence, now,
+        return Entry(self.id, self.namespace, self.packed, self.nbytes, self.trimmable, self.residence, now,
                      self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors)
 
 

@@ -111,13 +111,13 @@ def insert_ram(d: Draft, entry: Entry) -> None:
     """Index ``entry`` (already set in a RAM residence) and tell the policy."""
     ram = d.ram
     ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
-    ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, len(entry.tokens), entry.tag)
+    ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
 
 
 def insert_disk(d: Draft, entry: Entry) -> None:
     disk = d.disk
     disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
-    disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, len(entry.tokens), entry.tag)
+    disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, entry.length, entry.tag)
 
 
 def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
@@ -189,7 +189,7 @@ def _charge_write_rate(d: Draft, nbytes: int) -> None:
 def spill_pays(d: Draft, entry: Entry, counted: bool = True) -> bool:
     """Whether writing ``entry`` to disk can pay back: reading it again beats prefilling its tokens
     (objects are not prefilled: always written). Counted where it cannot, when ``counted``."""
-    if entry.namespace == OBJECTS or read_pays(d.pace, entry.file_bytes, len(entry.tokens)):
+    if entry.namespace == OBJECTS or read_pays(d.pace, entry.file_bytes, entry.length):
         return True
     if counted:
         d.count("spills_passed_up")
@@ -203,7 +203,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
          trimmable: bool, session: str | None, protected: bool, notify: bool) -> tuple[list, object]:
     """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it;
     the effects and the reply."""
-    data, tokens = packed(tokens), plain(tokens)  # what the state keeps: never a Tokens (see core/tokens.py)
+    data = packed(tokens)  # what the state keeps: the packed ids, never a tuple of them (see core/tokens.py)
     existing = d.ram.index.exact(namespace, data)
     if existing is not None:
         touch(d, d.entries[existing])
@@ -231,8 +231,8 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.ram.bytes += entry.nbytes
         out.append(fx.AdoptPublished(handle, entry.id))
     else:
-        entry = Entry(d.new_entry_id(), namespace, tokens, data, nbytes, trimmable, R.RAM, d.now, session,
-                      protected, tag, file_bytes=file_bytes)
+        entry = Entry(d.new_entry_id(), namespace, data, nbytes, trimmable, R.RAM, d.now, session, protected, tag,
+                      file_bytes=file_bytes)
         d.set_entry(entry)
         d.ram.bytes += nbytes
         insert_ram(d, entry)
@@ -245,7 +245,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
     if session is not None:
         d.sessions = d.sessions.set(session, (namespace, data))
     if notify:
-        out.append(fx.NotifyKept(fx.DiskKey(namespace, tokens)))
+        out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(tokens))))
     d.count("kept")
     return out, Kept(entry.id)
 

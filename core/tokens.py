@@ -74,6 +74,13 @@ def plain(tokens: tuple[int, ...]) -> tuple[int, ...]:
     return tokens.ids if type(tokens) is Tokens else tokens
 
 
+def ids_of(data: bytes) -> tuple[int, ...]:
+    """The plain tuple of ids whose packed form is ``data``."""
+    ids = array.array("Q")
+    ids.frombytes(data)
+    return tuple(ids)
+
+
 def unpacked(data: bytes) -> Tokens:
     """The :class:`Tokens` whose packed form is ``data``."""
     ids = array.array("Q")

@@ -18,6 +18,7 @@ import attrs
 
 from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.state import ServiceConfig
+from kvstate.core.tokens import WIDTH, ids_of, packed
 from kvstate.effects.completions import SavedCheckpoint, SavedRecord, Scanned
 from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
 from kvstate.effects import completions as done
@@ -33,29 +34,47 @@ class SimulatedCrash(KvStateError):
     """The fault plan crashed the service here; what the simulated disk holds survives."""
 
 
-@attrs.frozen(eq=False)
 class SimCaches:
-    """Simulated caches: the tokens they cover are their content; bytes follow from the model."""
+    """Simulated caches: the tokens they cover are their content; bytes follow from the model.
 
-    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    model: ModelSpec = attrs.field(repr=False)
+    The content is held packed (:mod:`kvstate.core.tokens`), as the service's entries hold their
+    ids: a simulator holding thousands of caches keeps no tuples of ids for the cyclic collector
+    to scan. ``tokens`` unpacks them.
+    """
+
+    __slots__ = ("packed", "model")
+
+    def __init__(self, tokens: Iterable[int] | bytes, model: ModelSpec):
+        self.packed = tokens if type(tokens) is bytes else packed(tuple(tokens))
+        self.model = model
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return ids_of(self.packed)
+
+    @property
+    def length(self) -> int:
+        return len(self.packed) // WIDTH
+
+    def __repr__(self) -> str:
+        return f"SimCaches(<{self.length} tokens>)"
 
     @property
     def nbytes(self) -> int:
-        return self.model.bytes_for(len(self.tokens))
+        return self.model.bytes_for(self.length)
 
     @property
     def trimmable(self) -> bool:
-        return self.model.trimmable_at(len(self.tokens))
+        return self.model.trimmable_at(self.length)
 
     def extended(self, tokens: Iterable[int]) -> "SimCaches":
         """These caches after the model ran over ``tokens`` (prefill or decode)."""
-        return SimCaches(self.tokens + tuple(tokens), self.model)
+        return SimCaches(self.packed + packed(tuple(tokens)), self.model)
 
     def trimmed(self, length: int) -> "SimCaches":
-        if length != len(self.tokens) and not self.trimmable:
-            raise InterpreterError(f"non-trimmable caches of {len(self.tokens)} tokens cannot serve {length}")
-        return SimCaches(self.tokens[:length], self.model)
+        if length != self.length and not self.trimmable:
+            raise InterpreterError(f"non-trimmable caches of {self.length} tokens cannot serve {length}")
+        return SimCaches(self.packed[:length * WIDTH], self.model)
 
 
 @attrs.frozen(eq=False)
@@ -193,7 +212,7 @@ class SimulatorInterpreter(HeldState):
         if not isinstance(caches, SimCaches) or caches.model != self.model:
             raise InvalidRequest(f"the simulator takes SimCaches of {self.model.name}, got {type(caches).__name__}")
         self._handles[handle] = caches
-        return CacheFacts(len(caches.tokens), caches.nbytes, caches.trimmable)
+        return CacheFacts(caches.length, caches.nbytes, caches.trimmable)
 
     def file_bytes(self, handle: int, key: fx.DiskKey, facts: CacheFacts) -> int:
         """The bytes the file of the state staged under ``handle`` would take."""

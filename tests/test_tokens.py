@@ -1,14 +1,15 @@
 """Packed token ids answer what the plain tuples answer: equality, hashing, prefixes, pickling."""
 
-import gc
 import pickle
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
 from kvstate import InvalidRequest, KvCacheService, Request, model_spec
 from kvstate.core.request import as_tokens
+from kvstate.core.state import Entry
 from kvstate.core.tokens import Tokens, common_prefix, packed, starts_with, unpacked
 
 ids = st.lists(st.sampled_from([0, 1, 2, 255, 256, 2**32, 2**64 - 1]), max_size=12).map(tuple)
@@ -55,24 +56,24 @@ def test_ids_outside_64_bits_are_refused(bad):
         Request(bad, 4)
 
 
-def test_kept_state_holds_plain_tuples_the_collector_stops_tracking():
-    """What the state keeps for long is a plain tuple (and bytes), never a Tokens: CPython stops
-    tracking a plain tuple of ints, not a tuple subclass, and a full collection over many kept
-    entries would otherwise visit every id of every one."""
+def test_kept_state_holds_its_ids_packed_not_as_tuples_the_collector_scans():
+    """An entry keeps its ids packed and a session its key packed: no tuple of ids stays in the
+    state (CPython scans every new tuple of ints id by id before it stops tracking it, and never
+    stops tracking a tuple subclass), and the simulator keeps its caches' content packed too."""
     spec = model_spec("llama-3.1-8b")
     service = KvCacheService.simulated(spec, ram_bytes=spec.bytes_for(10_000))
-    for turn in range(3):
-        prompt = list(range(1000 * turn, 1000 * turn + 100))  # three prompts, none a prefix of another
+    prompts = [list(range(1000 * turn, 1000 * turn + 100)) for turn in range(3)]  # none a prefix of another
+    for prompt in prompts:
         request = Request(prompt, 8, session_id="chat")
         state = service.acquire(request)
         service.publish(request, "default", prompt, service.interpreter.prefill(state.caches,
                                                                                prompt[state.reused_tokens:]))
         service.release(request)
-    gc.collect()
-    entries = list(service.state.entries.values())
-    assert len(entries) == 3
+    entries = sorted(service.state.entries.values(), key=lambda entry: entry.id)
+    assert [entry.tokens for entry in entries] == [tuple(prompt) for prompt in prompts]
     for entry in entries:
-        assert type(entry.tokens) is tuple and not gc.is_tracked(entry.tokens)
-        assert entry.packed == packed(entry.tokens)
+        assert not any(isinstance(getattr(entry, field.name), tuple) for field in attrs.fields(Entry))
+        assert entry.packed == packed(tuple(entry.tokens)) and entry.length == 100
+        assert type(service.interpreter.ram_content(entry.id).packed) is bytes
     ((namespace, key),) = service.state.sessions.values()
-    assert namespace == "default" and type(key) is bytes and key == packed(tuple(range(2000, 2100)))
+    assert namespace == "default" and key == packed(tuple(prompts[-1]))
