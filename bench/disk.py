@@ -87,19 +87,18 @@ def measure(megabytes: int, repeat: int, directory: str) -> dict[str, float]:
 
     buffer = np.empty(os.path.getsize(raw_path), dtype=np.uint8)  # allocated once, reused by every read
 
-    def raw_read():
+    def read_into(target: np.ndarray) -> None:
         with open(raw_path, "rb", buffering=0) as file:
-            view, done = memoryview(buffer), 0
+            view, done = memoryview(target), 0
             while done < len(view):
                 done += file.readinto(view[done:])
+
+    def raw_read():
+        read_into(buffer)
     read = best(raw_read, repeat)
 
     def raw_read_into_new_memory():
-        fresh = np.empty(len(buffer), dtype=np.uint8)  # what a restore's arrays are: memory not touched yet
-        with open(raw_path, "rb", buffering=0) as file:
-            view, done = memoryview(fresh), 0
-            while done < len(view):
-                done += file.readinto(view[done:])
+        read_into(np.empty(len(buffer), dtype=np.uint8))  # what a restore's arrays are: memory not touched yet
     fresh_read = best(raw_read_into_new_memory, repeat)
 
     def raw_read_then_mlx_array():

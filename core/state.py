@@ -25,7 +25,7 @@ from kvstate.core.policies.lru import LRU
 from kvstate.core.prefix_index import PrefixIndex
 from kvstate.core.request import Request
 from kvstate.core.retention import Retention
-from kvstate.core.tokens import WIDTH, ids_of, packed
+from kvstate.core.tokens import WIDTH, PackedIds, packed
 from kvstate.models.spec import ModelSpec
 
 GiB = 1024 ** 3
@@ -184,8 +184,9 @@ class ServiceConfig:
 
 
 @attrs.frozen
-class Entry:
-    """One kept prefix: what it covers, its bytes, and where it is."""
+class Entry(PackedIds):
+    """One kept prefix: what it covers (its ids packed; ``tokens`` and ``length`` read them), its
+    bytes, and where it is."""
 
     id: int
     namespace: str
@@ -208,16 +209,6 @@ class Entry:
     demote: bool = False
     #: Reads of its file that hit an I/O error in a row (an I/O error is not evidence of a bad file).
     read_errors: int = 0
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        """Its token ids (unpacked on each call: effects that name its file, checks, listings)."""
-        return ids_of(self.packed)
-
-    @property
-    def length(self) -> int:
-        """How many tokens it covers."""
-        return len(self.packed) // WIDTH
 
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's

@@ -81,6 +81,23 @@ def ids_of(data: bytes) -> tuple[int, ...]:
     return tuple(ids)
 
 
+class PackedIds:
+    """A record that keeps token ids packed in its ``packed`` field: ``tokens`` and ``length`` read
+    them (the ids are unpacked on each call)."""
+
+    __slots__ = ()
+    packed: bytes
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return ids_of(self.packed)
+
+    @property
+    def length(self) -> int:
+        """How many tokens it covers."""
+        return len(self.packed) // WIDTH
+
+
 def unpacked(data: bytes) -> Tokens:
     """The :class:`Tokens` whose packed form is ``data``."""
     ids = array.array("Q")

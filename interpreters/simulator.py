@@ -18,7 +18,7 @@ import attrs
 
 from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.state import ServiceConfig
-from kvstate.core.tokens import WIDTH, ids_of, packed
+from kvstate.core.tokens import WIDTH, PackedIds, packed
 from kvstate.effects.completions import SavedCheckpoint, SavedRecord, Scanned
 from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
 from kvstate.effects import completions as done
@@ -34,7 +34,7 @@ class SimulatedCrash(KvStateError):
     """The fault plan crashed the service here; what the simulated disk holds survives."""
 
 
-class SimCaches:
+class SimCaches(PackedIds):
     """Simulated caches: the tokens they cover are their content; bytes follow from the model.
 
     The content is held packed (:mod:`kvstate.core.tokens`), as the service's entries hold their
@@ -47,14 +47,6 @@ class SimCaches:
     def __init__(self, tokens: Iterable[int] | bytes, model: ModelSpec):
         self.packed = tokens if type(tokens) is bytes else packed(tuple(tokens))
         self.model = model
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return ids_of(self.packed)
-
-    @property
-    def length(self) -> int:
-        return len(self.packed) // WIDTH
 
     def __repr__(self) -> str:
         return f"SimCaches(<{self.length} tokens>)"
