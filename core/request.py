@@ -24,6 +24,8 @@ def as_tokens(tokens: object, what: str = "prompt", known: Tokens | None = None)
     """
     if type(tokens) is Tokens:
         return tokens
+    if known is not None and tokens is known.ids:  # the very tuple the prompt was built from
+        return known
     if type(tokens) is list:
         tokens = tuple(tokens)
     if known and type(tokens) is tuple and len(tokens) >= len(known) and tokens[:len(known)] == known:

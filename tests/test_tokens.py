@@ -77,3 +77,11 @@ def test_kept_state_holds_its_ids_packed_not_as_tuples_the_collector_scans():
         assert type(service.interpreter.ram_content(entry.id).packed) is bytes
     ((namespace, key),) = service.state.sessions.values()
     assert namespace == "default" and key == packed(tuple(prompts[-1]))
+
+
+def test_publishing_the_prompts_own_tuple_reuses_its_packed_ids():
+    prompt = tuple(range(50))
+    request = Request(prompt, 4)
+    assert request.prompt.ids is prompt
+    assert as_tokens(prompt, known=request.prompt) is request.prompt
+    assert as_tokens(list(prompt), known=request.prompt) == prompt  # an equal list: checked, same ids
