@@ -2,10 +2,10 @@
 
 This is the one replay through the service: ``kvstate replay`` prints it and
 the lab's whole-prefix granularity sweeps it. Each request runs as a
-scheduler would run it: the clock ticks to its arrival, it is admitted under
-the KV budget (where one is set), acquires the longest kept prefix, extends
-the caches over the blocks it did not reuse, publishes the prompt's state
-and releases. The figures come from what the service replied.
+scheduler would run it: the clock ticks to its arrival (where a rule reads the
+clock), it is admitted under the KV budget (where one is set), acquires the
+longest kept prefix, extends the caches over the blocks it did not reuse,
+publishes the prompt's state and releases. The figures come from what the service replied.
 
 Positions are 512-token blocks (``ModelSpec.per_block``): a trace names its
 prompts by chained block ids, so two prompts share a prefix exactly when
@@ -94,10 +94,16 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
            progress: Callable[[int], None] | None = None) -> Outcome:
     """Run ``requests`` (at most ``limit``) through ``service``, built by :func:`replay_service`."""
     started = time.perf_counter()
-    may_refuse = service.config.kv_budget_bytes is not None or service.config.model.context_limit is not None
+    config = service.config
+    may_refuse = config.kv_budget_bytes is not None or config.model.context_limit is not None
+    # The clock reaches the service only where a rule reads it (idle demotion, idle writes, the write-rate cap).
+    clocked = (config.demote_idle_after is not None or config.write_idle_after is not None
+               or config.write_bytes_per_hour is not None)
+    keeps = None  # whether published state may be kept: the same for every request a trace makes
     count = refused = hit_requests = reused = prompt = accesses = block_hits = 0
     for number, request in enumerate(itertools.islice(requests, limit)):
-        service.tick(request.arrival)
+        if clocked:
+            service.tick(request.arrival)
         lease = Request(request.blocks + (SENTINEL + number,), max(1, -(-request.output_length // BLOCK_TOKENS)))
         if may_refuse:
             try:
@@ -109,7 +115,9 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
                 refused += 1
                 continue
         state = service.acquire(lease, request.namespace)
-        if service.keeps(lease):
+        if keeps is None:
+            keeps = service.keeps(lease)
+        if keeps:
             caches = state.caches.extended(request.blocks[state.reused_tokens:])
             service.publish(lease, request.namespace, request.blocks, caches)
         service.release(lease)
