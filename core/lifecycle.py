@@ -15,12 +15,12 @@ from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.replies import FlushResult
 from kvstate.core.requests import publish
-from kvstate.core.tokens import packed
 from kvstate.core.report import report
 from kvstate.core.state import (
     EMPTY, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
 from kvstate.core.tiers import boundary as give_back_one, drop_ram, insert_disk, start_spill, tick as clock_tick
+from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 

@@ -12,6 +12,7 @@ Updates copy the path from the root (persistence); children live in an
 thousands of children and pyrsistent's pure-Python pmap costs 5-20x more per
 update there, measured on this project's machines. Labels hold packed token
 ids (:mod:`kvstate.core.tokens`), so following a prompt down the tree compares
+bytes; every method takes token ids as a tuple, a ``Tokens`` or their packed
 bytes.
 """
 
@@ -23,7 +24,7 @@ from typing import Iterator
 import attrs
 import immutables
 
-from kvstate.core.tokens import WIDTH, Tokens, matched_bytes, packed, unpacked
+from kvstate.core.tokens import WIDTH, ids_of, matched_bytes, packed
 
 _NO_CHILDREN: immutables.Map = immutables.Map()
 
@@ -97,13 +98,13 @@ def _insert(node: Node, data: bytes, depth: int, entry: int, trimmable: bool) ->
 def _remove(node: Node, data: bytes, depth: int) -> Node | None:
     if depth == len(data):
         if node.entry is None:
-            raise KeyError(unpacked(data))
+            raise KeyError(ids_of(data))
         bare = Node(node.label, node.children, None, False, node.trim_below - node.trimmable, node.count - 1)
         return _compact(bare) if node.label else bare
     first = _first(data, depth)
     child = node.children.get(first)
     if child is None or not data.startswith(child.label, depth):
-        raise KeyError(unpacked(data))
+        raise KeyError(ids_of(data))
     return _with_child(node, child, _remove(child, data, depth + len(child.label)), first)
 
 
@@ -156,12 +157,12 @@ class PrefixIndex:
 
     roots: immutables.Map = _NO_CHILDREN
 
-    def insert(self, namespace: str, tokens: tuple[int, ...], entry: int, trimmable: bool) -> "PrefixIndex":
+    def insert(self, namespace: str, tokens: tuple[int, ...] | bytes, entry: int, trimmable: bool) -> "PrefixIndex":
         """The index with ``entry`` at ``tokens`` (replacing any entry there)."""
         root = self.roots.get(namespace, _EMPTY_ROOT)
         return PrefixIndex(self.roots.set(namespace, _insert(root, packed(tokens), 0, entry, trimmable)))
 
-    def remove(self, namespace: str, tokens: tuple[int, ...]) -> "PrefixIndex":
+    def remove(self, namespace: str, tokens: tuple[int, ...] | bytes) -> "PrefixIndex":
         """The index without the entry at ``tokens``; ``KeyError`` if there is none."""
         root = self.roots.get(namespace)
         if root is None:
@@ -170,7 +171,7 @@ class PrefixIndex:
         return PrefixIndex(self.roots.delete(namespace) if new is None or not new.count
                            else self.roots.set(namespace, new))
 
-    def exact(self, namespace: str, tokens: tuple[int, ...]) -> int | None:
+    def exact(self, namespace: str, tokens: tuple[int, ...] | bytes) -> int | None:
         """The entry covering exactly ``tokens``, or None."""
         data = packed(tokens)
         node, depth = self.roots.get(namespace), 0
@@ -183,7 +184,7 @@ class PrefixIndex:
             node, depth = child, depth + len(child.label)
         return None
 
-    def prefixes_of(self, namespace: str, tokens: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    def prefixes_of(self, namespace: str, tokens: tuple[int, ...] | bytes) -> list[tuple[int, int, bool]]:
         """``(length, entry, trimmable)`` of every entry whose tokens are a strict prefix of ``tokens``."""
         data = packed(tokens)
         found = []
@@ -197,7 +198,7 @@ class PrefixIndex:
             node, depth = child, depth + len(child.label)
         return found
 
-    def longest(self, namespace: str, prompt: tuple[int, ...]) -> tuple[int, int | None]:
+    def longest(self, namespace: str, prompt: tuple[int, ...] | bytes) -> tuple[int, int | None]:
         """``(tokens, entry)``: the longest prefix of ``prompt`` some entry can serve, at most ``len-1``."""
         root = self.roots.get(namespace)
         if root is None:
@@ -208,8 +209,8 @@ class PrefixIndex:
     def __len__(self) -> int:
         return sum(root.count for root in self.roots.values())
 
-    def items(self) -> Iterator[tuple[str, Tokens, int, bool]]:
+    def items(self) -> Iterator[tuple[str, tuple[int, ...], int, bool]]:
         """Every ``(namespace, tokens, entry, trimmable)`` (tree order; for checks and listings)."""
         for namespace, root in self.roots.items():
             for data, entry, trimmable in _walk(root, b""):
-                yield namespace, unpacked(data), entry, trimmable
+                yield namespace, ids_of(data), entry, trimmable

@@ -11,7 +11,6 @@ then keeps or drops the state once they settle.
 
 from __future__ import annotations
 
-
 from kvstate.core import admission, events as ev
 from kvstate.core.checkpoints import forget_checkpoint
 from kvstate.core.checks import (

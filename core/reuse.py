@@ -11,7 +11,6 @@ a :class:`~kvstate.core.state.Waiting` record) until its completion arrives.
 
 from __future__ import annotations
 
-
 from kvstate.core import admission, events as ev
 from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, size_text
 from kvstate.core.draft import Draft, Step, without

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import attrs
 
-from kvstate.core.tokens import common_prefix
+from kvstate.core.tokens import Tokens, common_prefix, packed
 
 
 @attrs.frozen
@@ -23,7 +23,7 @@ class Computing:
     """A request in prefill: its prompt, the positions at which it publishes its caches, and how
     many of its prompt tokens are computed so far."""
 
-    prompt: tuple[int, ...]
+    prompt: Tokens
     boundaries: tuple[int, ...]
     position: int
     trimmable: bool
@@ -38,8 +38,9 @@ def shared_target(prompt: tuple[int, ...], reusable: int, computing: Iterable[Co
     last prompt token to compute."""
     best = 0
     limit = len(prompt) - 1
+    data = packed(prompt)  # once, not once per row
     for other in computing:
-        shared = common_prefix(other.prompt, prompt)
+        shared = common_prefix(other.prompt, data)
         for boundary in other.boundaries:
             if boundary <= other.position:
                 continue  # published already (or not kept): what is reusable says which

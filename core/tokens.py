@@ -101,13 +101,6 @@ class PackedIds:
         return len(self.packed) // WIDTH
 
 
-def unpacked(data: bytes) -> Tokens:
-    """The :class:`Tokens` whose packed form is ``data``."""
-    ids = array.array("Q")
-    ids.frombytes(data)
-    return Tokens(tuple(ids), data)
-
-
 def matched_bytes(label: bytes, data: bytes, start: int) -> int:
     """How many leading bytes of ``label`` match ``data[start:]``, in whole tokens (a multiple of 8)."""
     n = len(label)

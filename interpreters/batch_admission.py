@@ -38,6 +38,7 @@ import attrs
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.sharing import Computing, shared_target
+from kvstate.core.tokens import Tokens
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE
 
@@ -207,7 +208,8 @@ class BatchAdmission:
             boundaries.append(position)
         if parts and len(parts[-1]) > 1:
             boundaries.append(len(prompt) - 1)
-        return Computing(prompt, tuple(boundaries), len(cached), self.service.config.model.trimmable_at(len(prompt)))
+        return Computing(Tokens(prompt), tuple(boundaries), len(cached),  # packed once, for every arrival's check
+                         self.service.config.model.trimmable_at(len(prompt)))
 
     def progressed(self, prompt_responses: Any) -> None:
         """How far each row's prefill has got; a row whose prompt is done computes nothing shared."""

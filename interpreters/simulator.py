@@ -45,7 +45,7 @@ class SimCaches(PackedIds):
     __slots__ = ("packed", "model")
 
     def __init__(self, tokens: Iterable[int] | bytes, model: ModelSpec):
-        self.packed = tokens if type(tokens) is bytes else packed(tuple(tokens))
+        self.packed = tokens if type(tokens) is bytes else packed(tokens if isinstance(tokens, tuple) else tuple(tokens))
         self.model = model
 
     def __repr__(self) -> str:

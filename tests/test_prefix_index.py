@@ -4,7 +4,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from kvstate.core.prefix_index import Node, PrefixIndex
-from kvstate.core.tokens import WIDTH, Tokens, unpacked
+from kvstate.core.tokens import WIDTH, Tokens, ids_of
 from tests.reference import longest_usable, usable
 
 plain_lists = st.lists(st.integers(0, 3), min_size=1, max_size=14).map(tuple)
@@ -64,7 +64,7 @@ def assert_compact_and_counted(node: Node, is_root: bool = False) -> tuple[int, 
     below the root is bare or a lone link (those are merged away). Returns the node's counts."""
     count, trim = int(node.entry is not None), int(node.entry is not None and node.trimmable)
     for first, child in node.children.items():
-        assert child.label and unpacked(child.label[:WIDTH]) == (first,)
+        assert child.label and ids_of(child.label[:WIDTH]) == (first,)
         below = assert_compact_and_counted(child)
         count, trim = count + below[0], trim + below[1]
     assert (node.count, node.trim_below) == (count, trim)

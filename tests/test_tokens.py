@@ -10,7 +10,7 @@ from hypothesis import given
 from kvstate import InvalidRequest, KvCacheService, Request, model_spec
 from kvstate.core.request import as_tokens
 from kvstate.core.state import Entry
-from kvstate.core.tokens import Tokens, common_prefix, packed, starts_with, unpacked
+from kvstate.core.tokens import Tokens, common_prefix, ids_of, packed, starts_with
 
 ids = st.lists(st.sampled_from([0, 1, 2, 255, 256, 2**32, 2**64 - 1]), max_size=12).map(tuple)
 either = st.one_of(ids, ids.map(Tokens))
@@ -36,7 +36,7 @@ def test_comparisons_match_the_tuples(a, b):
 def test_packing_round_trips_and_pickles(values):
     tokens = Tokens(values)
     assert tokens == values and hash(tokens) == hash(values) and tokens[1:] == values[1:]
-    assert unpacked(packed(values)) == values and len(packed(values)) == 8 * len(values)
+    assert ids_of(packed(values)) == values and len(packed(values)) == 8 * len(values)
     copy = pickle.loads(pickle.dumps(tokens))
     assert type(copy) is Tokens and copy == tokens and copy.packed == tokens.packed
 
