@@ -104,6 +104,7 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     """What one request's decisions spend, each part timed on its own (``--parts``)."""
     import timeit
 
+    from kvstate.core import events as ev, step
     from kvstate.core.state import content_tag
     from kvstate.core.tokens import Tokens
 
@@ -137,6 +138,17 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     }
     for name, call in rows.items():
         print(f"  {name:44} {best(call):8.1f}")
+    # The pure steps, each repeated on one state (no facade, no interpreter): what core.step costs.
+    lease, request = 10**9, requests[1]
+    admit = ev.Admit(lease, request)
+    admitted = step(service.state, admit).state
+    acquire = ev.Acquire(lease, request, "bench", 10**9)
+    acquired = step(admitted, acquire).state
+    release = ev.Release(lease, True)
+    print("  core.step alone, µs each (best of 5):")
+    for name, state, event in (("admit", service.state, admit), ("acquire hit", admitted, acquire),
+                               ("release", acquired, release)):
+        print(f"  {name:44} {best(lambda: step(state, event), 5000):8.1f}")
 
 
 def p99(values: list[float]) -> float:
