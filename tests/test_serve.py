@@ -393,7 +393,8 @@ def test_the_running_batch_never_holds_more_than_the_kv_budget(model_dir, tmp_pa
 def _burst(server: Server, n: int = 4) -> list[int]:
     """``n`` requests at once sharing a long system prompt nothing holds yet: the cached tokens each
     reports, in arrival order of the replies."""
-    shared = {"role": "system", "content": "You answer questions about the history of cartography. " * 30}
+    # Long enough that its prefill outlasts the spread of the four arrivals, so they meet while it runs.
+    shared = {"role": "system", "content": "You answer questions about the history of cartography. " * 60}
     cached: list[int] = []
     start = threading.Barrier(n)
 
