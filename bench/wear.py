@@ -13,7 +13,8 @@ working set, a disk tier) once per rule:
 - ``cap B/h``: every kept entry written when kept, within a write-rate cap of ``B`` bytes an hour
   (``write_bytes_per_hour``).
 
-Prints each rule's token hit ratio, bytes written and read, and write amplification. Then, from the
+Prints each rule's token hit ratio, bytes written and read, write amplification, and how fast the
+replay ran (requests a second: the clock's rules are decided at every request's tick). Then, from the
 ``all`` run, which kept entries were ever read back from disk (their bytes are the least any rule
 that keeps every restore must write: an oracle's), and how much of that a rule that writes only
 some entries could keep: entries whose own request reused a prefix, and entries hit in RAM before
@@ -90,7 +91,7 @@ def main() -> None:
               for c in args.caps.split(",") if c]
     print(f"{trace.name}: {len(trace.requests):,} requests; LRU, RAM {args.ram} of the working set "
           f"({ram / 1e9:.0f} GB), disk {args.disk}")
-    print(f"{'rule':18} {'token hit':>9} {'written TB':>11} {'read TB':>8} {'wr/rd':>6}")
+    print(f"{'rule':18} {'token hit':>9} {'written TB':>11} {'read TB':>8} {'wr/rd':>6} {'requests/s':>10}")
     log = None
     for name, options in rules:
         if name == "all":
@@ -101,7 +102,8 @@ def main() -> None:
             log.close()
         wa = outcome.write_amplification
         print(f"{name:18} {outcome.token_hit_ratio:>9.4f} {outcome.disk_bytes_written / 1e12:>11.3f} "
-              f"{outcome.disk_bytes_read / 1e12:>8.3f} {'-' if wa is None else f'{wa:.1f}':>6}")
+              f"{outcome.disk_bytes_read / 1e12:>8.3f} {'-' if wa is None else f'{wa:.1f}':>6} "
+              f"{outcome.requests / outcome.seconds:>10,.0f}")
     entries = list(log.entries.values())
     restores = sum(e["restores"] for e in entries)
     total = sum(e["bytes"] for e in entries)

@@ -59,6 +59,7 @@ class Draft:
     acquiring: Any
     checkpoints: Any
     sessions: Any
+    idle: Any
     counters: Any
     next_entry: int
     now: float

@@ -20,6 +20,7 @@ import immutables
 import xxhash
 
 from kvstate.core.errors import InvalidConfig, InvalidNamespace, InvalidRequest
+from kvstate.core.idle import IdleOrder
 from kvstate.core.policies import EvictionPolicy, policy
 from kvstate.core.policies.lru import LRU
 from kvstate.core.prefix_index import PrefixIndex
@@ -177,6 +178,13 @@ class ServiceConfig:
     @property
     def has_disk(self) -> bool:
         return self.disk_capacity_bytes is not None
+
+    @property
+    def idle_rules(self) -> bool:
+        """Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps
+        entries in order of last use (:mod:`~kvstate.core.idle`)."""
+        return self.has_disk and (self.demote_idle_after is not None
+                                  or (self.write_behind and self.write_idle_after is not None))
 
     @property
     def checkpoints(self) -> bool:
@@ -385,6 +393,7 @@ class ServiceState:
     acquiring: immutables.Map = EMPTY       # handle -> Waiting, for acquires waiting on a read
     checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
     sessions: immutables.Map = EMPTY        # session id -> (namespace, packed ids) it last kept
+    idle: IdleOrder = IdleOrder()           # entries in order of last use, where idle_rules
     counters: Counters = Counters()
     next_entry: int = 1
     now: float = 0.0

@@ -88,11 +88,16 @@ def drop_ram(d: Draft, entry: Entry, out: list) -> None:
 
 
 def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
-    """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one."""
+    """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one.
+    Where idle entries are written, one left in RAM waits another idle spell before it is written
+    again, as after a failed write."""
     after = moved(entry.residence, Move.DROP_DISK if entry.residence is not R.PREFETCHING else Move.READ_FAILED)
     if delete:
         out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
-    _leave(d, d.disk, entry, entry.file_bytes, after)
+    idle_again = after is R.RAM and d.config.write_idle_after is not None and entry.last_used != d.now
+    _leave(d, d.disk, entry, entry.file_bytes, after, **({"last_used": d.now} if idle_again else {}))
+    if idle_again:
+        _used(d, d.entries[entry.id])
 
 
 def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residence | None, **changes) -> None:
@@ -112,6 +117,13 @@ def insert_ram(d: Draft, entry: Entry) -> None:
     ram = d.ram
     ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
+    _used(d, entry)
+
+
+def _used(d: Draft, entry: Entry) -> None:
+    """``entry`` entered RAM or was used: where a rule acts on idle entries, it joins the idle order."""
+    if d.config.idle_rules:
+        d.idle = d.idle.used(entry.id, entry.last_used, d.entries)
 
 
 def insert_disk(d: Draft, entry: Entry) -> None:
@@ -126,6 +138,7 @@ def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
     read_errors = 0 if disk else entry.read_errors
     if entry.last_used != d.now or entry.read_errors != read_errors:
         d.set_entry(entry.used(d.now, read_errors))
+        _used(d, d.entries[entry.id])
     tier = d.disk if disk else d.ram
     tier.policy = tier.strategy.accessed(tier.policy, entry.id)
 
@@ -286,6 +299,8 @@ def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
     # Where idle entries are written, a failed write waits another idle spell before it is tried again.
     last_used = d.now if d.config.write_idle_after is not None else entry.last_used
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), last_used=last_used))
+    if last_used != entry.last_used:
+        _used(d, d.entries[entry.id])
     d.count("failed_writes")
     return [], None
 
@@ -338,37 +353,41 @@ def optional_bytes(state: ServiceState) -> int:
 
 def tick(d: Draft, now: float) -> list:
     """The clock reads ``now``: entries idle past the demotion threshold are given back, and RAM-only
-    entries idle past the write threshold are written (:func:`_write_idle`)."""
+    entries idle past the write threshold are written (:func:`_write_idle`). Only entries gone idle
+    are visited, least recently used first (:mod:`~kvstate.core.idle`)."""
     d.now = max(d.now, float(now))
     config = d.config
-    if not config.has_disk or d.phase is not Phase.OPEN:
+    if not config.idle_rules or d.phase is not Phase.OPEN:
         return []
     out: list = []
     after = config.demote_idle_after
     if after is not None:
-        for entry in list(d.entries.values()):
-            if entry.last_used > d.now - after:
-                continue
-            current = d.entries.get(entry.id)
-            if current is None:
-                continue  # dropped while an earlier entry was given back (its disk room went to that spill)
-            if current.residence is R.SPILLING:
-                d.set_entry(attrs.evolve(current, demote=True))
-            elif current.residence in (R.RAM, R.BOTH):
-                give_back(d, current, out)
+        for entry in d.idle.idle(lambda: d.entries, d.now - after):
+            if entry.residence is R.SPILLING:
+                if not entry.demote:
+                    d.set_entry(attrs.evolve(entry, demote=True))
+            elif entry.residence in (R.RAM, R.BOTH):
+                give_back(d, entry, out)
     if config.write_behind and config.write_idle_after is not None:
         _write_idle(d, config.write_idle_after, out)
+    d.idle = d.idle.advanced(d.entries, lambda entry: _needs_clock(config, entry))
     return out
+
+
+def _needs_clock(config, entry: Entry) -> bool:
+    """Whether a rule of the clock may still act on ``entry`` before its next use: demotion on
+    anything in RAM, idle writes on a RAM-only entry the write queue's bound lets through."""
+    return ((config.demote_idle_after is not None and entry.residence in (R.RAM, R.SPILLING, R.BOTH))
+            or (config.write_idle_after is not None and entry.residence is R.RAM
+                and entry.nbytes <= config.write_queue_bytes))
 
 
 def _write_idle(d: Draft, after: float, out: list) -> None:
     """Write RAM-only entries idle ``after`` seconds or more (they stay in RAM), while the write queue
     and the write-rate cap have room for them; the rest wait for a later tick. An entry whose file
     could never pay back its read is not written; one whose write failed waits another idle spell."""
-    for entry in list(d.entries.values()):
-        if entry.residence is not R.RAM or entry.last_used > d.now - after:
-            continue
-        if _spill_blocked(d, entry) is None and spill_pays(d, entry, counted=False):
+    for entry in d.idle.idle(lambda: d.entries, d.now - after):
+        if entry.residence is R.RAM and _spill_blocked(d, entry) is None and spill_pays(d, entry, counted=False):
             start_spill(d, entry, out)  # a wait is counted nowhere: the entry is tried again at the next tick
 
 

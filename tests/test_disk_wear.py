@@ -77,6 +77,25 @@ def test_state_evicted_before_it_is_idle_is_not_written():
     assert serve(service, first + (1,)).source is Source.FRESH
 
 
+def test_an_entry_whose_file_the_disk_drops_is_written_again_after_another_idle_spell():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=SPEC.bytes_for(150),
+                                       write_idle_after=30.0)
+    first, second = tuple(range(100)), tuple(range(1000, 1100))
+    serve(service, first)
+    service.tick(30.0)
+    assert service.report().spills == 1
+    service.tick(40.0)
+    serve(service, second)
+    service.tick(70.0)  # the second is written; the disk holds one file, so the first's goes
+    report = service.report()
+    assert (report.spills, report.disk_evictions, report.entries) == (2, 1, 2)
+    service.tick(99.0)
+    assert service.report().spills == 2  # not at once: the disk has just chosen to drop it
+    service.tick(100.0)
+    report = service.report()
+    assert (report.spills, report.disk_evictions) == (3, 2)
+
+
 def test_flush_writes_what_is_not_idle_yet():
     service = build(write_idle_after=30.0)
     serve(service, tuple(range(100)))

@@ -53,6 +53,8 @@ def reference_bytes(spec: ModelSpec, tokens: int) -> int:
 BUDGET = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200)
 RAM = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 80)
 DISK = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200)
+#: Seconds unused after which the tiered machine's clock rule (idle demotion or idle writes) acts.
+IDLE = 5.0
 PROFILE = os.environ.get("KVSTATE_CHECK_PROFILE", "ci")
 EXAMPLES = {"ci": 300, "long": 2000}[PROFILE]
 STEPS = {"ci": 50, "long": 80}[PROFILE]
@@ -337,16 +339,19 @@ class TieredServiceMachine(BaseMachine):
         self.sessions: dict = {}
 
     @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans(),
-                header=st.sampled_from([0, 64, 700]), per_token=st.sampled_from([0, 8]))
-    def build(self, policy, hybrid, header, per_token):
+                header=st.sampled_from([0, 64, 700]), per_token=st.sampled_from([0, 8]),
+                idle_rule=st.sampled_from(["demote", "write"]))
+    def build(self, policy, hybrid, header, per_token, idle_rule):
         self.spec = HYBRID if hybrid else TRIMMABLE
         self.policy = policy
+        self.idle_rule = idle_rule
         self.files = FileModel(header, per_token)  # files larger than their state, as real headers make them
         self.service = self.restarted()
 
     def restarted(self):
         return self.make_service(
-            policy=self.policy, disk_bytes=DISK, demote_idle_after=5.0, write_queue_bytes=RAM // 2,
+            policy=self.policy, disk_bytes=DISK, write_queue_bytes=RAM // 2,
+            **({"demote_idle_after": IDLE} if self.idle_rule == "demote" else {"write_idle_after": IDLE}),
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
                                  "files": self.files})
 
@@ -403,6 +408,16 @@ class TieredServiceMachine(BaseMachine):
         sim = self.service.interpreter
         sim.now += seconds
         self.service.boundary()
+        # The clock's rule, checked by a scan of every entry: none idle past it is left undone.
+        state = self.service.state
+        for entry in state.entries.values():
+            if entry.last_used > state.now - IDLE:
+                continue
+            if self.idle_rule == "demote":  # given back: off RAM, or leaving it once its write lands
+                assert entry.residence not in (Residence.RAM, Residence.BOTH)
+                assert entry.residence is not Residence.SPILLING or entry.demote
+            elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it
+                assert state.writes.bytes + entry.nbytes > state.config.write_queue_bytes
 
     @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]))
     def prefetch(self, prompt, namespace):

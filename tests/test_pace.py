@@ -195,3 +195,20 @@ def test_a_read_of_no_bytes_is_no_measure_and_a_read_of_one_byte_is():
     assert d.pace.read_s_per_byte is None
     read_measured(d, 1, 2.0)
     assert d.pace.read_s_per_byte == 2.0
+
+
+def test_idle_state_that_could_never_pay_back_its_read_is_not_written_and_not_counted_at_every_tick():
+    service = build(write_idle_after=30.0)
+    first = tuple(range(200))
+    serve(service, first)
+    assert service.flush().durable
+    serve(service, tuple(range(90_000, 90_240)))  # pushes it out of RAM: only its file holds it
+    serve(service, first + (1,))  # a disk hit: the read pace is learnt
+    service.measure_prefill(1000, 1000 * read_seconds_per_token() / 10)  # prefill ten times faster
+    serve(service, tuple(range(3000, 3100)))
+    before = service.report()
+    for seconds in (31.0, 62.0, 93.0):
+        service.tick(seconds)
+    after = service.report()
+    assert after.bytes_written == before.bytes_written and after.spills == before.spills
+    assert after.spills_passed_up == before.spills_passed_up  # a wait, tried again each tick, is not a decision
