@@ -13,8 +13,9 @@ tensor copy is timed on either side): ``fetch_nearest_cache`` of the hit
 prompt, and ``insert_cache`` of the published tokens. Prints median and p99
 microseconds per call, each median as a ratio to a plain dict lookup keyed by
 the prompt (hashing it once, the least any cache keyed by tokens does), and
-kvstate's request (admit + acquire hit + release) and publish as ratios of the
-peer's fetch and insert. ``--no-gc`` keeps the cyclic garbage collector off
+kvstate's request (admit + acquire hit + release; and in one call, ``try_acquire``
+hit + release, as a scheduler that starts what it admits runs it) and publish
+as ratios of the peer's fetch and insert. ``--no-gc`` keeps the cyclic garbage collector off
 while timing; ``--no-peer`` times kvstate alone.
 
     python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
@@ -35,6 +36,7 @@ from kvstate import KvCacheService, Request, SimCaches, model_spec
 SPEC = model_spec("llama-3.1-8b")
 FAMILIES, SYSTEM, TURN, PROMPT = 10, 1000, 1000, 4000
 BASELINE = "dict lookup"
+TRY, ONE_CALL = "try_acquire hit", "request, one call"
 PEER_FETCH, PEER_INSERT = "peer fetch", "peer insert"
 
 
@@ -66,8 +68,8 @@ def timed(call) -> float:
 def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, list[float]]:
     service, peer = build(entries, samples, with_peer)
     times: dict[str, list[float]] = {"admit": [], "acquire hit": [], "acquire miss": [], "publish": [],
-                                     "release": [], "request": [], "index lookup": [], BASELINE: [],
-                                     PEER_FETCH: [], PEER_INSERT: []}
+                                     "release": [], "request": [], TRY: [], ONE_CALL: [], "index lookup": [],
+                                     BASELINE: [], PEER_FETCH: [], PEER_INSERT: []}
     index = service.state.ram.index
     table = {entry_tokens(i): i for i in range(entries)}
     tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
@@ -75,7 +77,7 @@ def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, lis
     for k in range(samples):
         hit_prompt = entry_tokens((k * 7919) % entries) + tail
         miss_prompt = tuple(range(3 * 10**9 + k * PROMPT, 3 * 10**9 + (k + 1) * PROMPT))
-        hit, miss = Request(hit_prompt, 256), Request(miss_prompt, 256)
+        hit, miss, again = Request(hit_prompt, 256), Request(miss_prompt, 256), Request(hit_prompt, 256)
         times["admit"].append(timed(lambda: service.admit(hit)))
         service.admit(miss)
         got = []
@@ -87,6 +89,9 @@ def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, lis
         times["publish"].append(timed(lambda: service.publish(miss, "bench", miss_prompt, caches)))
         times["release"].append(timed(lambda: service.release(hit)))
         times["request"].append(times["admit"][-1] + times["acquire hit"][-1] + times["release"][-1])
+        times[TRY].append(timed(lambda: got.append(service.try_acquire(again, "bench"))))
+        assert got[2].reused_tokens == SYSTEM + TURN
+        times[ONE_CALL].append(times[TRY][-1] + timed(lambda: service.release(again)))
         times["index lookup"].append(timed(lambda: index.longest("bench", hit.prompt)))
         times[BASELINE].append(timed(lambda: table.get(hit_prompt)))
         service.release(miss)
@@ -117,6 +122,10 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
         calls["admit"].append(timed(lambda: service.admit(request)))
         calls["acquire hit"].append(timed(lambda: service.acquire(request, "bench")))
         calls["release"].append(timed(lambda: service.release(request)))
+    calls[TRY], calls["release after it"] = [], []
+    for request in [Request(p, 256) for p in prompts]:
+        calls[TRY].append(timed(lambda: service.try_acquire(request, "bench")))
+        calls["release after it"].append(timed(lambda: service.release(request)))
     print(f"{samples} fresh {PROMPT}-token requests in a tight loop, {entries:,} entries, µs per call (median):")
     for name, values in calls.items():
         print(f"  {name:44} {statistics.median(values):8.1f}")
@@ -179,14 +188,14 @@ def main() -> None:
     header = f"{'operation':14}" + "".join(f"{f'{size:,} entries':>34}" for size in sizes)
     print(f"µs per call, median / p99 (median over the same run's {BASELINE} of the prompt), "
           f"{PROMPT}-token prompts, {args.samples} samples each" + (", GC off while timing" if args.no_gc else "")
-          + "; 'request' is admit + acquire hit + release")
+          + "; 'request' is admit + acquire hit + release; 'request, one call' is try_acquire hit + release")
     print(header)
     for op in ops:
         cells = "".join(f"{statistics.median(rows[s][op]):>13.1f} / {p99(rows[s][op]):>7.1f} "
                         f"({statistics.median(rows[s][op]) / statistics.median(rows[s][BASELINE]):>6.1f}x)"
                         for s in sizes)
         print(f"{op:14}{cells}")
-    for ours, theirs in (("request", PEER_FETCH), ("publish", PEER_INSERT)):
+    for ours, theirs in (("request", PEER_FETCH), (ONE_CALL, PEER_FETCH), ("publish", PEER_INSERT)):
         if args.no_peer:
             break
         cells = "".join(f"{statistics.median(rows[s][ours]) / statistics.median(rows[s][theirs]):>33.3f}x"

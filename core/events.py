@@ -50,12 +50,15 @@ class Fits(Event):
 
 @attrs.frozen
 class Acquire(Event):
-    """Give ``lease`` its state in ``namespace``, into caches ``handle``."""
+    """Give ``lease`` its state in ``namespace``, into caches ``handle``. A lease not yet admitted
+    is admitted first; with ``or_wait``, a budget with no room for it now replies
+    :attr:`~kvstate.core.replies.Admission.WAIT` and changes nothing (else it is an error)."""
 
     lease: int
     request: Request
     namespace: str
     handle: int
+    or_wait: bool = False
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ from kvstate.core.draft import Draft, Step, without
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.errors import NotAdmitted, RequestAlreadyAcquired
 from kvstate.core.tokens import common_prefix, starts_with
-from kvstate.core.replies import Acquired, ObjectFound, ObjectMissing, Pending, Source
+from kvstate.core.replies import Acquired, Admission, ObjectFound, ObjectMissing, Pending, Source
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
 from kvstate.core.tiers import read_error, reject, touch, unpin
@@ -50,7 +50,9 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
         key = checkpoint_key(state, namespace, request.continuation.key)
     d = Draft(state)
     if not lease.admitted:
-        lease = _admitted_implicitly(d, lease)
+        lease = _admitted_implicitly(d, lease, e.or_wait)
+        if lease is None:
+            return Step(state, (), Admission.WAIT)
     d.lease_set(e.lease, lease.acquiring_in(namespace, key))
     record = state.checkpoints.get(key) if key is not None else None
     out: list = []
@@ -62,15 +64,17 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     return Step(d.build(), tuple(out), reply)
 
 
-def _admitted_implicitly(d: Draft, lease: Lease) -> Lease:
-    """An acquire without ``admit`` admits the request as ``admit`` would, or refuses: the KV budget
-    is never bypassed."""
+def _admitted_implicitly(d: Draft, lease: Lease, or_wait: bool) -> Lease | None:
+    """An acquire without ``admit`` admits the request as ``admit`` would, or waits (None, with
+    ``or_wait``) or refuses: the KV budget is never bypassed."""
     request = lease.request
     check_context(d, request)
     need = admission.own_bytes(d, request)
     check_budget(d, request, need)
     projected = admission.charge_with(d, request, need)
     if not admission.has_room(d, projected):
+        if or_wait:
+            return None
         raise NotAdmitted(f"acquire of a request never admitted, and the KV budget has no room for its "
                           f"{size_text(need)} now; call admit() first and wait while it returns False")
     d.projected_bytes = projected

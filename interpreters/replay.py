@@ -3,8 +3,8 @@
 This is the one replay through the service: ``kvstate replay`` prints it and
 the lab's whole-prefix granularity sweeps it. Each request runs as a
 scheduler would run it: the clock ticks to its arrival (where a rule reads the
-clock), it is admitted under the KV budget (where one is set), acquires the
-longest kept prefix, extends the caches over the blocks it did not reuse,
+clock), it is admitted under the KV budget (where one is set) and acquires the
+longest kept prefix in one call, extends the caches over the blocks it did not reuse,
 publishes the prompt's state and releases. The figures come from what the
 service replied.
 
@@ -96,7 +96,6 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
     """Run ``requests`` (at most ``limit``) through ``service``, built by :func:`replay_service`."""
     started = time.perf_counter()
     config = service.config
-    may_refuse = config.kv_budget_bytes is not None or config.model.context_limit is not None
     # The clock reaches the service only where a rule reads it (idle demotion, idle writes, the write-rate cap).
     clocked = (config.demote_idle_after is not None or config.write_idle_after is not None
                or config.write_bytes_per_hour is not None)
@@ -106,16 +105,14 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
         if clocked:
             service.tick(request.arrival)
         lease = Request(request.blocks + (SENTINEL + number,), max(1, -(-request.output_length // BLOCK_TOKENS)))
-        if may_refuse:
-            try:
-                if not service.admit(lease):
-                    refused += 1  # one request at a time releases each, so only a smaller budget waits
-                    service.release(lease)
-                    continue
-            except (ContextLimitExceeded, OverBudget):
-                refused += 1
-                continue
-        state = service.acquire(lease, request.namespace)
+        try:
+            state = service.try_acquire(lease, request.namespace)
+        except (ContextLimitExceeded, OverBudget):
+            refused += 1
+            continue
+        if state is None:
+            refused += 1  # one request at a time releases each, so only a smaller budget waits
+            continue
         if keeps is None:
             keeps = service.keeps(lease)
         if keeps:

@@ -27,7 +27,7 @@ import mlx.core as mx
 from kvstate.core.replies import Source
 from kvstate.core.request import Request
 from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.service import KvCacheService
+from kvstate.interpreters.service import AcquiredState, KvCacheService
 
 
 def sample(logits: mx.array, seed: int, index: int, temperature: float) -> int:
@@ -84,11 +84,10 @@ class Scheduler:
         mx.eval(logits)
         return logits
 
-    def _start(self, row: Row) -> None:
-        """Acquire, prefill what is not covered, publish the prompt's snapshot, sample the first token."""
+    def _start(self, row: Row, state: AcquiredState) -> None:
+        """Given the acquired ``state``: prefill what is not covered, publish the prompt's snapshot,
+        sample the first token."""
         service, request = self.service, row.request
-        row.started = self.clock()
-        state = service.acquire(request, row.namespace)
         row.caches, row.reused_tokens, row.source = state.caches, state.reused_tokens, state.source
         continuation = request.continuation
         row.seed = continuation.seed if continuation is not None else 0
@@ -137,10 +136,16 @@ class Scheduler:
         active: list[Row] = []
         finished: list[Finished] = []
         while waiting or active:
-            while waiting and self.service.admit(waiting[0][0]):
-                request, namespace = waiting.pop(0)
+            while waiting:  # admitted and acquired in one call, in order, while the budget has room
+                request, namespace = waiting[0]
+                started = self.clock()
+                state = self.service.try_acquire(request, namespace)
+                if state is None:
+                    break
+                waiting.pop(0)
                 row = Row(request, namespace)
-                self._start(row)
+                row.started = started
+                self._start(row, state)
                 active.append(row)
             if not active:
                 raise RuntimeError("the first waiting request is not admitted while nothing runs")

@@ -137,6 +137,8 @@ class KvCacheService:
             result = step(self._state, event)
             self._state = result.state
             reply = result.reply
+            if not result.effects:
+                return reply
             queue = deque(result.effects)
             while queue:
                 for completion in self._interpreter.perform(queue.popleft()):
@@ -189,10 +191,29 @@ class KvCacheService:
         return self._run(ev.Fits(request))
 
     def acquire(self, request: Request, namespace: str = DEFAULT_NAMESPACE) -> AcquiredState:
-        """The request's state: resumed generation, else the longest reusable prefix, else fresh caches."""
+        """The request's state: resumed generation, else the longest reusable prefix, else fresh caches.
+
+        A request not admitted yet is admitted here; :class:`~kvstate.NotAdmitted` if the KV budget
+        has no room for it now (``try_acquire`` waits instead).
+        """
+        return self._acquire(request, namespace, or_wait=False)
+
+    def try_acquire(self, request: Request, namespace: str = DEFAULT_NAMESPACE) -> AcquiredState | None:
+        """``admit`` and ``acquire`` in one call, for a scheduler that starts what it admits at once:
+        the request's state, or None while the KV budget has no room for it (nothing is held then;
+        try again once a running request releases).
+
+        Raises :class:`~kvstate.ContextLimitExceeded` or :class:`~kvstate.OverBudget`
+        for a request that can never be admitted.
+        """
+        return self._acquire(request, namespace, or_wait=True)
+
+    def _acquire(self, request: Request, namespace: str, or_wait: bool) -> AcquiredState | None:
         with self._lock:
             handle = next(self._handles)
-            reply: Acquired = self._run(ev.Acquire(self._lease(request, create=True), request, namespace, handle))
+            reply = self._run(ev.Acquire(self._lease(request, create=True), request, namespace, handle, or_wait))
+            if reply is Admission.WAIT:
+                return None
             caches = self._interpreter.take(reply.handle)
             return AcquiredState(caches, reply.reused_tokens, reply.source, reply.resumed, reply.resumed_tokens)
 

@@ -134,6 +134,8 @@ class ModelSpec:
 
     #: Distinct layers with their counts: ``bytes_for`` sums a few terms, not every layer (admission is hot).
     _terms: tuple[tuple[LayerSpec, int], ...] = attrs.field(init=False, eq=False, repr=False)
+    #: ``(fixed, per position)`` bytes where no layer has a window (bytes grow linearly), else None.
+    _linear: tuple[int, int] | None = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -142,6 +144,11 @@ class ModelSpec:
         for layer in self.layers:
             counts[layer] = counts.get(layer, 0) + 1
         object.__setattr__(self, "_terms", tuple(counts.items()))
+        linear = None
+        if all(layer.kind is not LayerKind.SLIDING_WINDOW for layer in counts):
+            fixed = self._summed(0)
+            linear = (fixed, self._summed(1) - fixed)
+        object.__setattr__(self, "_linear", linear)
         if self.context_limit is not None and self.context_limit <= 0:
             raise ValueError(f"model {self.name!r}: context_limit must be positive or None")
 
@@ -153,6 +160,13 @@ class ModelSpec:
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes a request's caches hold after ``tokens`` positions (every layer, live tokens)."""
+        linear = self._linear
+        if linear is not None:
+            return linear[0] + linear[1] * tokens
+        return self._summed(tokens)
+
+    def _summed(self, tokens: int) -> int:
+        """``bytes_for`` layer by layer."""
         tokens *= self.position_tokens
         return sum(count * layer.bytes_for(tokens, self.kv) for layer, count in self._terms)
 

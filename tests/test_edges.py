@@ -5,7 +5,7 @@ import attrs
 import pytest
 
 from kvstate import (ContextLimitExceeded, InvalidConfig, InvalidRequest, KvCacheService, NotAdmitted, OverBudget,
-                     Request, ServiceConfig, SimObject, model_spec, retention)
+                     Request, RequestAlreadyAcquired, ServiceConfig, SimObject, model_spec, retention)
 from kvstate.core import events
 from kvstate.core.replies import GaveBack
 from kvstate.core.state import initial_state
@@ -117,6 +117,30 @@ def test_acquiring_without_admission_admits_implicitly_and_never_bypasses_the_bu
     assert (service.report().projected_bytes, service.report().live_requests) == (0, 0)
     service.acquire(other, "n")                           # room now
     assert service.report().projected_bytes == SPEC.bytes_for(7)
+
+
+def test_try_acquire_admits_and_acquires_at_once_or_waits_holding_nothing():
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(100), kv_budget_bytes=SPEC.bytes_for(10))
+    first = Request((1, 2, 3), 4)                         # 7 tokens projected: fits
+    state = service.try_acquire(first, "n")
+    assert state is not None and state.reused_tokens == 0
+    assert (service.report().projected_bytes, service.report().misses) == (SPEC.bytes_for(7), 1)
+    service.publish(first, "n", (1, 2, 3), service.interpreter.prefill(state.caches, (1, 2, 3)))
+    other = Request((1, 2, 3, 9), 4)                      # 8 more would be 15 > 10: waits
+    before = service.state
+    assert service.try_acquire(other, "n") is None
+    assert service.state == before
+    with pytest.raises(OverBudget):
+        service.try_acquire(Request(tuple(range(8)), 4), "n")  # 12 > 10 on its own: never
+    with pytest.raises(ContextLimitExceeded):
+        service.try_acquire(Request((1,), SPEC.context_limit), "n")
+    assert service.state == before
+    service.release(first)
+    state = service.try_acquire(other, "n")               # room now: admitted, and its prefix reused
+    assert state is not None and state.reused_tokens == 3
+    assert service.report().projected_bytes == SPEC.bytes_for(8)
+    with pytest.raises(RequestAlreadyAcquired):
+        service.try_acquire(other, "n")
 
 
 def test_published_tokens_are_checked_where_they_differ_from_the_prompt():

@@ -1,5 +1,6 @@
 """Model geometry: bytes per token from the public configs, and the formula against real mlx caches."""
 
+import attrs
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
@@ -91,3 +92,13 @@ def test_invalid_geometry_is_refused():
         KvScheme("q3", 3, group_size=64)
     with pytest.raises(ValueError, match="no layers"):
         ModelSpec("empty", (), 10)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+@pytest.mark.parametrize("scheme", [BF16, Q8, Q4])
+@pytest.mark.parametrize("block", [1, 512])
+def test_bytes_for_any_length_is_the_sum_over_every_layer(name, scheme, block):
+    """The geometry's total, however it is worked out, is each layer's own bytes summed."""
+    spec = attrs.evolve(model_spec(name), kv=scheme).per_block(block)
+    for tokens in (0, 1, 2, 7, 511, 512, 4096, 131_072, 10**7):
+        assert spec.bytes_for(tokens) == sum(layer.bytes_for(tokens * block, scheme) for layer in spec.layers)
