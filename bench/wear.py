@@ -46,7 +46,8 @@ class EntryLog:
 
     def __init__(self) -> None:
         self.entries: dict[int, dict] = {}
-        self._reused: dict[int, int] = {}
+        self._lease_of: dict[int, int] = {}  # id of a live request -> its lease
+        self._reused: dict[int, int] = {}    # lease -> tokens its acquire reused
         self._step = facade.step
         facade.step = self._observed
 
@@ -55,8 +56,10 @@ class EntryLog:
 
     def _observed(self, state, event):
         result = self._step(state, event)
-        if isinstance(event, ev.Acquire) and isinstance(result.reply, Acquired):
-            self._reused[id(event.request)] = result.reply.reused_tokens
+        if isinstance(event, ev.Acquire):
+            self._lease_of[id(event.request)] = event.lease
+        if isinstance(result.reply, Acquired):  # a disk hit answers in its read's completion
+            self._reused[result.reply.lease] = result.reply.reused_tokens
         for effect in result.effects:
             known = self.entries.get(getattr(effect, "entry", None))
             if known is not None and isinstance(effect, fx.CloneEntry):
@@ -64,7 +67,8 @@ class EntryLog:
             if known is not None and isinstance(effect, fx.RestoreEntry):
                 known["restores"] += 1
         if isinstance(event, ev.Publish) and isinstance(result.reply, Kept) and not result.reply.duplicate:
-            self.entries[result.reply.entry] = {"request_reused": self._reused.get(id(event.request), 0) > 0,
+            lease = self._lease_of.get(id(event.request))
+            self.entries[result.reply.entry] = {"request_reused": self._reused.get(lease, 0) > 0,
                                                 "bytes": event.file_bytes, "ram_hits": 0, "restores": 0}
         return result
 
