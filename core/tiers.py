@@ -15,7 +15,9 @@ import attrs
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
-from kvstate.core.state import OBJECTS, Entry, Move, Phase, Residence, ServiceState, Writes, content_tag, moved
+from kvstate.core.state import (
+    OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
+)
 from kvstate.core.tokens import packed, plain
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
@@ -374,7 +376,7 @@ def tick(d: Draft, now: float) -> list:
     return out
 
 
-def _needs_clock(config, entry: Entry) -> bool:
+def _needs_clock(config: ServiceConfig, entry: Entry) -> bool:
     """Whether a rule of the clock may still act on ``entry`` before its next use: demotion on
     anything in RAM, idle writes on a RAM-only entry the write queue's bound lets through."""
     return ((config.demote_idle_after is not None and entry.residence in (R.RAM, R.SPILLING, R.BOTH))

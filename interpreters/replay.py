@@ -4,9 +4,9 @@ This is the one replay through the service: ``kvstate replay`` prints it and
 the lab's whole-prefix granularity sweeps it. Each request runs as a
 scheduler would run it: the clock ticks to its arrival (where a rule reads the
 clock), it is admitted under the KV budget (where one is set) and acquires the
-longest kept prefix in one call, extends the caches over the blocks it did not reuse,
-publishes the prompt's state and releases. The figures come from what the
-service replied.
+longest kept prefix in one call, extends the caches over the blocks it did not
+reuse, publishes the prompt's state and releases. The figures come from what
+the service replied.
 
 Positions are 512-token blocks (``ModelSpec.per_block``): a trace names its
 prompts by chained block ids, so two prompts share a prefix exactly when

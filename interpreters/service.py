@@ -19,7 +19,7 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.errors import UnknownRequest
-from kvstate.core.replies import Acquired, Admission, FlushResult, Kept, ObjectFound, Source
+from kvstate.core.replies import Admission, FlushResult, Kept, ObjectFound, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (

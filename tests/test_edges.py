@@ -1,7 +1,6 @@
 """Every limit at its edge: the last value a setting, a request or a budget accepts, and the first it
 refuses. The model checks rarely land exactly on an edge; these do, on the simulator."""
 
-import attrs
 import pytest
 
 from kvstate import (ContextLimitExceeded, InvalidConfig, InvalidRequest, KvCacheService, NotAdmitted, OverBudget,
