@@ -19,6 +19,7 @@ Ratios are store time / raw time (1.0 = as fast as the raw operation).
 
     python bench/disk.py [--sizes-mb 64,512] [--repeat 3]
     python bench/disk.py --loaders 12   # the store's two loaders against a raw read, interleaved
+    python bench/disk.py [...] --keep-freed-memory   # as kvstate serve runs: freed memory kept for reuse
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from mlx_lm.models.cache import KVCache
 from kvstate.effects import DiskKey
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+from kvstate.interpreters.host_memory import keep_freed_memory
 from kvstate.models import model_spec
 
 SPEC = model_spec("llama-3.1-8b")
@@ -181,7 +183,12 @@ def main() -> None:
     parser.add_argument("--loaders", type=int, default=0, metavar="ROUNDS",
                         help="instead: the store's two loaders against a raw read, interleaved for ROUNDS rounds, "
                              "page cache warm and dropped")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="first ask the C library to keep freed memory for reuse, as kvstate serve does "
+                             "(interpreters/host_memory.py)")
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        print(f"keep_freed_memory(): {keep_freed_memory()}")
     if args.loaders:
         with tempfile.TemporaryDirectory() as directory:
             for size in args.sizes_mb.split(","):

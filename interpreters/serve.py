@@ -32,6 +32,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.interpreters.batch_admission import (
     CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
 )
+from kvstate.interpreters.host_memory import keep_freed_memory
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
 from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
@@ -326,6 +327,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
     def run(host: str, port: int, model_provider: Any, *rest: Any, **named: Any) -> None:
         if model_provider.cli_args.model is None:
             raise SystemExit("kvstate serve needs --model PATH: the mlx-lm model directory to serve")
+        if keep_freed_memory():
+            logging.info("kvstate: freed host memory is kept for reuse (restores fault in no fresh pages)")
         cache = served["cache"] = build_prompt_cache(model_provider, options)
         report = cache.service.report()
         logging.info("kvstate: %d saved prefixes found on disk, %d files rejected", report.saved_entries,

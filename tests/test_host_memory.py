@@ -1,0 +1,56 @@
+"""Freed host memory kept for reuse: glibc keeps a freed block in the process instead of unmapping it."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from kvstate.interpreters import host_memory
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+#: Allocates 256 MiB through malloc, touches every page, frees it, and prints the resident bytes
+#: gained, after calling keep_freed_memory() when asked.
+FREE_AND_MEASURE = """
+import ctypes, sys
+from kvstate.interpreters.host_memory import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+before = resident()
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+libc.free(block)
+print(kept, resident() - before)
+"""
+
+
+def resident_after_free(mode: str, **env) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", FREE_AND_MEASURE, mode], capture_output=True, text=True,
+                         check=True, env={**os.environ, **env}).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting is glibc's; elsewhere keep_freed_memory() changes nothing")
+def test_a_freed_block_stays_with_the_process_for_reuse():
+    kept, gained = resident_after_free("keep")
+    assert kept == "True" and gained >= 250 << 20
+    untouched, given_back = resident_after_free("leave")
+    assert untouched == "None" and given_back < 16 << 20  # the default: a block this large goes back
+
+
+@pytest.mark.skipif(not GLIBC, reason="the setting is glibc's")
+def test_thresholds_the_operator_set_stand():
+    kept, given_back = resident_after_free("keep", MALLOC_MMAP_THRESHOLD_="131072")
+    assert kept == "False" and given_back < 16 << 20
+
+
+def test_nothing_changes_where_the_c_library_is_not_glibc(monkeypatch):
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    assert host_memory.keep_freed_memory() is False
