@@ -88,12 +88,12 @@ class Draft:
         """What an attempt that may fail (making room) can change, to :meth:`rollback` to."""
         ram, disk = self.ram, self.disk
         return (self.entries, ram.index, ram.bytes, ram.policy, disk.index, disk.bytes, disk.policy,
-                dict(self.counts))
+                self.idle, dict(self.counts))
 
     def rollback(self, mark: tuple) -> None:
         ram, disk = self.ram, self.disk
         (self.entries, ram.index, ram.bytes, ram.policy, disk.index, disk.bytes, disk.policy,
-         self.counts) = mark
+         self.idle, self.counts) = mark
 
     # ------------------------------------------------------------ small edits every concern makes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvstate import KvCacheService, Request, SimCaches, model_spec
+from kvstate.core.draft import Draft
 from kvstate.core.idle import IdleOrder
 from kvstate.core.state import Residence
 
@@ -69,3 +70,17 @@ def test_no_order_is_kept_where_no_rule_reads_the_clock():
     service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(4000), disk_bytes=SPEC.bytes_for(8000))
     serve(service, tuple(range(50)))
     assert len(service.state.idle.slots) == 0
+
+
+def test_an_attempt_to_make_room_that_fails_leaves_the_order_as_it_was():
+    # Making disk room can drop a file from an entry still in RAM, which puts the entry in the order
+    # again; if the attempt then fails, everything it changed goes back, the order included.
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(4000), disk_bytes=SPEC.bytes_for(8000),
+                                       write_idle_after=30.0)
+    serve(service, tuple(range(50)))
+    draft = Draft(service.state)
+    mark = draft.mark()
+    before = draft.idle
+    draft.idle = draft.idle.used(1, 99.0, draft.entries)
+    draft.rollback(mark)
+    assert draft.idle is before

@@ -340,7 +340,7 @@ class TieredServiceMachine(BaseMachine):
 
     @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans(),
                 header=st.sampled_from([0, 64, 700]), per_token=st.sampled_from([0, 8]),
-                idle_rule=st.sampled_from(["demote", "write"]))
+                idle_rule=st.sampled_from(["demote", "write", "both"]))
     def build(self, policy, hybrid, header, per_token, idle_rule):
         self.spec = HYBRID if hybrid else TRIMMABLE
         self.policy = policy
@@ -351,7 +351,8 @@ class TieredServiceMachine(BaseMachine):
     def restarted(self):
         return self.make_service(
             policy=self.policy, disk_bytes=DISK, write_queue_bytes=RAM // 2,
-            **({"demote_idle_after": IDLE} if self.idle_rule == "demote" else {"write_idle_after": IDLE}),
+            **({"demote_idle_after": IDLE} if self.idle_rule != "write" else {}),
+            **({"write_idle_after": IDLE} if self.idle_rule != "demote" else {}),
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
                                  "files": self.files})
 
@@ -403,6 +404,16 @@ class TieredServiceMachine(BaseMachine):
         key = data.draw(st.sampled_from(sorted(self.disk.files, key=lambda k: (k.namespace, k.tokens))))
         self.disk.corrupt(key)
 
+    @invariant()
+    def every_entry_a_clock_rule_may_act_on_is_in_the_idle_order(self):
+        state = self.service.state
+        ordered = {entry.id for entry in state.idle.idle(lambda: state.entries, float("inf"))}
+        for entry in state.entries.values():
+            demotable = self.idle_rule != "write" and entry.residence in IN_RAM
+            writable = (self.idle_rule != "demote" and entry.residence is Residence.RAM
+                        and entry.nbytes <= state.config.write_queue_bytes)
+            assert not (demotable or writable) or entry.id in ordered
+
     @rule(seconds=st.floats(0.5, 10.0))
     def time_passes(self, seconds):
         sim = self.service.interpreter
@@ -413,7 +424,7 @@ class TieredServiceMachine(BaseMachine):
         for entry in state.entries.values():
             if entry.last_used > state.now - IDLE:
                 continue
-            if self.idle_rule == "demote":  # given back: off RAM, or leaving it once its write lands
+            if self.idle_rule != "write":  # given back: off RAM, or leaving it once its write lands
                 assert entry.residence not in (Residence.RAM, Residence.BOTH)
                 assert entry.residence is not Residence.SPILLING or entry.demote
             elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it
