@@ -39,9 +39,8 @@ class IdleOrder:
     def _live(self, entries: Any) -> Iterator[tuple[int, float]]:
         seen = set()
         for i in range(self.head, len(self.slots)):
-            entry_id, at = slot = self.slots[i]
-            entry = entries.get(entry_id)
-            if entry is not None and entry.last_used == at and slot not in seen:
+            slot = self.slots[i]
+            if _entry_of(slot, entries) is not None and slot not in seen:
                 seen.add(slot)
                 yield slot
 
@@ -49,11 +48,11 @@ class IdleOrder:
         """The entries last used at or before ``cutoff``, least recently used first; ``entries()`` is
         read again at each slot, so a caller that changes entries on the way sees its changes."""
         for i in range(self.head, len(self.slots)):
-            entry_id, at = self.slots[i]
-            if at > cutoff:
+            slot = self.slots[i]
+            if slot[1] > cutoff:
                 return
-            entry = entries().get(entry_id)
-            if entry is not None and entry.last_used == at:
+            entry = _entry_of(slot, entries())
+            if entry is not None:
                 yield entry
 
     def advanced(self, entries: Any, needs_clock: Callable[[Any], bool]) -> "IdleOrder":
@@ -61,9 +60,15 @@ class IdleOrder:
         the clock's rules (``needs_clock``) until their next use."""
         head, slots = self.head, self.slots
         while head < len(slots):
-            entry_id, at = slots[head]
-            entry = entries.get(entry_id)
-            if entry is not None and entry.last_used == at and needs_clock(entry):
+            entry = _entry_of(slots[head], entries)
+            if entry is not None and needs_clock(entry):
                 break
             head += 1
         return self if head == self.head else IdleOrder(slots, head)
+
+
+def _entry_of(slot: tuple[int, float], entries: Any) -> Any:
+    """The entry a slot names while the slot is live (the entry is held and last used then), else None."""
+    entry_id, at = slot
+    entry = entries.get(entry_id)
+    return entry if entry is not None and entry.last_used == at else None

@@ -141,6 +141,9 @@ class ServiceConfig:
     checkpoint_every_tokens: int | None = None
     identity: str = ""
     retention: Retention | None = None
+    #: Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps entries
+    #: in order of last use (:mod:`~kvstate.core.idle`); worked out once, since every use asks.
+    idle_rules: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         def size(name: str, value: Any, optional: bool) -> None:
@@ -174,17 +177,12 @@ class ServiceConfig:
                 not isinstance(self.checkpoint_every_tokens, int) or self.checkpoint_every_tokens < 1):
             raise InvalidConfig(f"checkpoint_every_tokens must be a positive int or None, "
                                 f"got {self.checkpoint_every_tokens!r}")
+        object.__setattr__(self, "idle_rules", self.has_disk and (
+            self.demote_idle_after is not None or (self.write_behind and self.write_idle_after is not None)))
 
     @property
     def has_disk(self) -> bool:
         return self.disk_capacity_bytes is not None
-
-    @property
-    def idle_rules(self) -> bool:
-        """Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps
-        entries in order of last use (:mod:`~kvstate.core.idle`)."""
-        return self.has_disk and (self.demote_idle_after is not None
-                                  or (self.write_behind and self.write_idle_after is not None))
 
     @property
     def checkpoints(self) -> bool:

@@ -90,16 +90,13 @@ def drop_ram(d: Draft, entry: Entry, out: list) -> None:
 
 
 def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
-    """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one.
-    Where idle entries are written, one left in RAM waits another idle spell before it is written
-    again, as after a failed write."""
+    """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one."""
     after = moved(entry.residence, Move.DROP_DISK if entry.residence is not R.PREFETCHING else Move.READ_FAILED)
     if delete:
         out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
-    idle_again = after is R.RAM and d.config.write_idle_after is not None and entry.last_used != d.now
-    _leave(d, d.disk, entry, entry.file_bytes, after, **({"last_used": d.now} if idle_again else {}))
-    if idle_again:
-        _used(d, d.entries[entry.id])
+    _leave(d, d.disk, entry, entry.file_bytes, after)
+    if after is R.RAM:
+        _idle_again(d, entry.id)
 
 
 def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residence | None, **changes) -> None:
@@ -126,6 +123,15 @@ def _used(d: Draft, entry: Entry) -> None:
     """``entry`` entered RAM or was used: where a rule acts on idle entries, it joins the idle order."""
     if d.config.idle_rules:
         d.idle = d.idle.used(entry.id, entry.last_used, d.entries)
+
+
+def _idle_again(d: Draft, entry_id: int) -> None:
+    """Entry ``entry_id`` is RAM-only again (its write failed, or the disk dropped its file): where idle
+    entries are written, it waits another idle spell before it is written again."""
+    entry = d.entries[entry_id]
+    if d.config.write_idle_after is not None and entry.last_used != d.now:
+        d.set_entry(entry.used(d.now, entry.read_errors))
+        _used(d, d.entries[entry_id])
 
 
 def insert_disk(d: Draft, entry: Entry) -> None:
@@ -298,11 +304,8 @@ def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
         return [], None
     d.writes_add(-1, -entry.nbytes)
     d.disk.bytes -= entry.file_bytes
-    # Where idle entries are written, a failed write waits another idle spell before it is tried again.
-    last_used = d.now if d.config.write_idle_after is not None else entry.last_used
-    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED), last_used=last_used))
-    if last_used != entry.last_used:
-        _used(d, d.entries[entry.id])
+    d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED)))
+    _idle_again(d, entry.id)
     d.count("failed_writes")
     return [], None
 

@@ -202,6 +202,21 @@ def test_an_idle_write_that_failed_waits_another_idle_spell():
     assert report.spills == 1 and report.saved_entries == 1
 
 
+def test_without_idle_writes_a_dropped_file_leaves_the_entrys_idle_time_alone():
+    """Waiting another idle spell is the idle write's rule: where only demotion reads the clock, an
+    entry whose file the full disk gave up is still demoted on the time of its last use."""
+    first, second = tuple(range(100)), tuple(range(1000, 1100))
+    one = file_bytes(first)
+    service = KvCacheService.simulated(SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=one * 3 // 2,
+                                       demote_idle_after=30.0)
+    serve(service, first)  # used and written at 0 s
+    service.tick(20.0)
+    serve(service, second)  # its write takes the disk from the first entry, which stays in RAM
+    assert service.report().saved_entries == 1 and service.report().entries == 2
+    service.tick(30.0)
+    assert service.report().demotions == 1  # the first, idle since 0 s; the second is not idle yet
+
+
 def test_flush_writes_past_the_cap_and_is_charged():
     prompts = [tuple(range(k * 1000, k * 1000 + 40)) for k in range(3)]
     one = file_bytes(prompts[0])
