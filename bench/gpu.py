@@ -4,7 +4,9 @@ Random-weight mlx-lm llamas in bf16 at a Llama-3.2-1B-like and a Llama-3.1-8B-li
 catalogue's numbers), through the reference scheduler's calls and the service with the disk tier:
 
 - time to first token for 4k, 16k and 32k-token prompts: miss (full prefill), RAM hit, and disk
-  hit (state written by an earlier process, read by a fresh one, hashes verified);
+  hit (state written by an earlier process, read by a fresh one, hashes verified); on CUDA also the
+  same disk hit with the restored arrays left in host memory for their first use to pull over
+  (``not moved``), as restores did before they moved them to the device in bulk;
 - restore bandwidth from disk into GPU memory and spill bandwidth out of it, against a raw read and
   a raw write+fsync of the same bytes in the same run;
 - the service's own decision time per request (every ``core.step``) beside the model's decode
@@ -40,6 +42,11 @@ CONFIGS = {
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, vocab_size=128256,
                max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0),
 }
+
+
+def on_cuda() -> bool:
+    from kvstate.interpreters.device_memory import on_cuda
+    return on_cuda()
 
 
 def on_gpu() -> bool:
@@ -198,8 +205,18 @@ def reader_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
     out: dict = {"rows": []}
     for length in lengths:
         prompt = prompt_of(length, salt=length)
-        hits, restores, raw_reads = [], [], []
+        hits, unmoved, restores, raw_reads = [], [], [], []
         for i in range(repeat + 1):
+            # The same disk hit with the restored arrays left in host memory for their first use to pull
+            # over (as before restores moved them to the device in bulk), in the same round.
+            if on_cuda():
+                service = service_for(model, config, directory)
+                service.interpreter.store.to_device = False
+                mx.eval(model(mx.array([[1]]))[0, -1])
+                elapsed, reused, source = ttft(service, model, prompt + (150 + i,))
+                assert (reused, source) == (length, "disk"), (reused, source)
+                unmoved.append(elapsed)
+                service.close()
             service = service_for(model, config, directory)  # RAM empty: the state comes from disk
             # Building a service for a model loaded in process fingerprints every weight on the host,
             # which leaves them in host memory; the first forward after it would pull them back (about
@@ -225,6 +242,7 @@ def reader_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
             raw_reads.append(time.perf_counter() - start)
             service.close()
         out["rows"].append({"tokens": length, "disk_hit_s": statistics.median(hits[1:]),
+                            "disk_hit_unmoved_s": statistics.median(unmoved[1:]) if unmoved else None,
                             "restore_s": statistics.median(restores[1:]),
                             "raw_read_s": statistics.median(raw_reads[1:])})
     return out
@@ -268,12 +286,13 @@ def main() -> None:
               f"{written['decode_step_s'] * 1000:.2f} ms, service decisions {written['decision_s_per_request'] * 1e6:.0f}"
               f" µs per request, median of {DECISION_REQUESTS} (mean {written['decision_s_mean'] * 1e6:.0f}; "
               f"{written['decision_s_per_request'] / written['decode_step_s']:.2%} of one step)")
-        print(f"{'prompt':>7} {'KV MB':>8} {'miss ms':>9} {'RAM hit ms':>11} {'disk hit ms':>12} "
+        print(f"{'prompt':>7} {'KV MB':>8} {'miss ms':>9} {'RAM hit ms':>11} {'disk hit ms':>12} {'not moved':>10} "
               f"{'restore GB/s':>13} {'raw read GB/s':>14} {'spill GB/s':>11} {'raw write GB/s':>15}")
         for row in written["rows"]:
             gb = row["bytes"] / 1e9
             print(f"{row['tokens']:>7} {row['bytes'] / 1e6:>8.0f} {row['miss_s'] * 1000:>9.1f} "
                   f"{row['ram_hit_s'] * 1000:>11.2f} {row['disk_hit_s'] * 1000:>12.2f} "
+                  f"{(row['disk_hit_unmoved_s'] or float('nan')) * 1000:>10.2f} "
                   f"{gb / row['restore_s']:>13.2f} {gb / row['raw_read_s']:>14.2f} {gb / row['spill_s']:>11.2f} "
                   f"{gb / row['raw_write_s']:>15.2f}")
     if args.out:

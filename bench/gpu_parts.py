@@ -43,7 +43,15 @@ def h2d() -> None:
     def in_pieces(count=8):
         step = n // count
         return mx.concatenate([mx.array(host[i * step:(i + 1) * step]) for i in range(count)])
+    from kvstate.interpreters.device_memory import move_to_device
+
+    def moved():
+        x = mx.array(host)
+        if not move_to_device([x]):
+            raise SystemExit("move_to_device: no CUDA device, or the driver refused")
+        return x
     for name, make in (("mx.array(numpy)", lambda: mx.array(host)), ("mx.array(numpy) + 0", lambda: mx.array(host) + 0),
+                       ("mx.array(numpy), moved in bulk", moved),
                        ("mx.load(safetensors)", lambda: mx.load(path)["x"]), ("8 pieces, concatenate", in_pieces),
                        ("zeros on device, slice-assign", into_device),
                        ("mx.array(memoryview)", lambda: mx.array(memoryview(host)))):
@@ -120,17 +128,21 @@ def disk_hit() -> None:
 
 
 def restore() -> None:
-    """The disk store's two loaders on the 8B geometry at 4k and 16k tokens (0.5 and 2.1 GB), from the
-    page cache, each timed to the end of the restored arrays' first GPU use, beside a plain read of the
-    same file into a reused buffer."""
+    """The disk store's two loaders on the 8B geometry at 4k, 16k and 32k tokens (0.5, 2.1 and 4.3 GB),
+    from the page cache, each with and without moving the arrays to the device in bulk, timed to the
+    end of the restored arrays' first GPU use, beside a plain read of the same file into a reused
+    buffer."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters import mlx_caches
-    from kvstate.interpreters.disk_store import read_into
+    from kvstate.interpreters.disk_store import DiskStore, read_into
 
     directory = tempfile.mkdtemp()
-    for tokens in (4096, 16384):
+    for tokens in (4096, 16384, 32768):
         stores, key, path = disk.saved_for_each_loader(tokens, directory)
+        stores = {f"{loader}{', moved' if moved else ''}": DiskStore(directory, store.identity, loader=loader,
+                                                                      to_device=moved)
+                  for loader, store in stores.items() for moved in (False, True)}
         size = os.path.getsize(path)
         buffer = np.empty(size, dtype=np.uint8)
         mx.eval(mx.sum(mx.array(buffer[:1024]).view(mx.uint32)))  # kernels compiled before anything is timed
@@ -150,6 +162,7 @@ def restore() -> None:
                 start = time.perf_counter()
                 call()
                 seconds[name] = time.perf_counter() - start
+        os.remove(path)
         print(f"{tokens} tokens, {size / 1e9:.2f} GB: " + ", ".join(
             f"{name} {1e3 * t:.0f} ms ({size / t / 1e9:.2f} GB/s)" for name, t in seconds.items()), flush=True)
 

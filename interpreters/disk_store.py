@@ -44,6 +44,7 @@ from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason
 from kvstate.effects.effects import CheckpointMeta, DiskKey
 from kvstate.interpreters import content_hash
+from kvstate.interpreters.device_memory import move_to_device, on_cuda
 from kvstate.interpreters.mlx_caches import codec_named, codec_of
 
 FORMAT_VERSION = "2"
@@ -204,9 +205,7 @@ def default_loader() -> str:
     on this project's CPUs the reused buffer is faster from a cold page cache and on small entries;
     on an H200, MLX's loader brings a 0.54 GB entry to its first GPU use 1.6-1.9x sooner and a
     2.15 GB one as soon."""
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-    return "mlx" if on_cuda else "buffer"
+    return "mlx" if on_cuda() else "buffer"
 
 
 class ReadBuffers:
@@ -371,10 +370,13 @@ class DiskStore:
 
     def __init__(self, root: str | os.PathLike, identity: StoreIdentity, *, verify: bool = True,
                  budget: Any = None, write_file: Callable[[Path, list], None] | None = None,
-                 rejected_keep: int = REJECTED_KEEP, loader: str | None = None):
+                 rejected_keep: int = REJECTED_KEEP, loader: str | None = None, to_device: bool | None = None):
         if loader is not None and loader not in LOADERS:
             raise ValueError(f"loader must be one of {LOADERS} or None (chosen by device), got {loader!r}")
         self.loader = loader or default_loader()
+        #: Whether a restore moves its arrays onto the CUDA device before handing them out
+        #: (:mod:`~kvstate.interpreters.device_memory`); by default, where the device is a CUDA GPU.
+        self.to_device = on_cuda() if to_device is None else to_device
         self.write_file = write_file or write_durably  # the storage seam: tests put a full disk here
         self.rejected_keep = rejected_keep
         self.root = Path(root)
@@ -674,7 +676,10 @@ class DiskStore:
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} fails its hash")
 
     def _caches(self, path: Path, metadata: dict[str, str], arrays: dict[str, mx.array]) -> list:
-        """The mlx-lm caches of the file's layers, built from its arrays by each layer's codec."""
+        """The mlx-lm caches of the file's layers, built from its arrays by each layer's codec (verified
+        by now, so moving them to the device is the last thing done to their bytes)."""
+        if self.to_device:
+            move_to_device(arrays.values())
         caches = []
         for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
             prefix = f"{i}."

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 from kvstate import KvCacheService, Request, Source
 from kvstate.effects import DiskKey, FailureReason
 from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.device_memory import move_to_device
 from kvstate.interpreters.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, read_header
 from kvstate.models.reference import build
 
@@ -54,12 +55,13 @@ def state_arrays(caches):
     return out
 
 
+@pytest.mark.parametrize("to_device", [False, True])
 @pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_round_trip_of_every_cache_class(case, loader, tmp_path):
+def test_round_trip_of_every_cache_class(case, loader, to_device, tmp_path):
     mx.random.seed(0)
     caches = CASES[case]()
-    store = DiskStore(tmp_path, IDENTITY, loader=loader)
+    store = DiskStore(tmp_path, IDENTITY, loader=loader, to_device=to_device)
     key = DiskKey("n", tuple(range(37)))
     store.commit(store.encode_prefix(key, caches, mlx_caches.trimmable(caches), mlx_caches.live_bytes(caches)))
     loaded = store.read_prefix(key)
@@ -153,6 +155,14 @@ def test_a_service_with_an_unknown_loader_is_refused_before_it_claims_the_direct
 def test_the_loader_is_chosen_by_device(tmp_path):
     on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
     assert DiskStore(tmp_path, IDENTITY).loader == ("mlx" if on_cuda else "buffer")
+
+
+def test_restored_arrays_move_to_the_device_where_it_is_a_cuda_gpu(tmp_path):
+    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    assert DiskStore(tmp_path, IDENTITY).to_device is on_cuda
+    arrays = [mx.arange(10), mx.zeros((0,)), mx.ones((3, 4), dtype=mx.bfloat16)]
+    assert move_to_device(arrays) is on_cuda  # and where it moves nothing, it says so
+    assert arrays[0].tolist() == list(range(10)) and arrays[2].tolist() == [[1.0] * 4] * 3
 
 
 def test_a_foreign_identity_is_never_restored(tmp_path):
