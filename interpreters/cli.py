@@ -95,7 +95,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvstate.interpreters.lab import sweep as lab
     from kvstate.interpreters.lab import traces
     from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
-    from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, unbounded
+    from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, block_bytes, unbounded
     from kvstate.models.catalogue import model_spec
 
     if args.synthetic:
@@ -119,6 +119,12 @@ def _simulate(args: argparse.Namespace) -> int:
         capacities = [lab.parse_capacity(c, args.unit, trace, model) for c in args.capacity.split(",")]
     except lab.BadCapacity as error:
         print(f"kvstate simulate: {error}", file=sys.stderr)
+        return 2
+    fractions = [c.label for c in capacities if c.unit == "working set"]
+    if args.granularity == "prefix" and fractions and not block_bytes(model):
+        print(f"kvstate simulate: {model.name}'s state does not grow with the prompt, so a fraction of the "
+              f"working set ({', '.join(fractions)}) is no size at prefix granularity; give sizes, e.g. "
+              f"--capacity 1GB,10GB", file=sys.stderr)
         return 2
     print(f"{len(trace.requests)} requests, {trace.block_accesses} block accesses, {trace.unique_blocks} unique "
           f"blocks; {args.granularity} granularity, model {model.name}, "

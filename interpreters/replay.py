@@ -12,6 +12,14 @@ Positions are 512-token blocks (``ModelSpec.per_block``): a trace names its
 prompts by chained block ids, so two prompts share a prefix exactly when
 they share leading ids. One extra position per prompt, unique to it, stands
 for the token the model must compute, so a full match still leaves work.
+
+A trace's last block of a prompt is usually partial, and the next turn's block
+at that position holds more tokens, so it has another id. Caches that serve
+any shorter prefix (attention) are kept whole and cut back on reuse. Caches
+that cannot be cut back (a recurrent layer's state, a full sliding window)
+serve only an exact prefix, so they are kept at the prompt's last full block,
+where the next turn can reuse them, as engines that cache hybrid models' state
+keep it at block boundaries.
 """
 
 from __future__ import annotations
@@ -100,6 +108,7 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
     clocked = (config.demote_idle_after is not None or config.write_idle_after is not None
                or config.write_bytes_per_hour is not None)
     keeps = None  # whether published state may be kept: the same for every request a trace makes
+    spec = config.model
     count = refused = hit_requests = reused = prompt = accesses = block_hits = 0
     for number, request in enumerate(itertools.islice(requests, limit)):
         if clocked:
@@ -115,9 +124,12 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
             continue
         if keeps is None:
             keeps = service.keeps(lease)
-        if keeps:
-            caches = state.caches.extended(request.blocks[state.reused_tokens:])
-            service.publish(lease, request.namespace, request.blocks, caches)
+        kept = request.blocks
+        if request.input_length % BLOCK_TOKENS and not spec.trimmable_at(len(kept)):
+            kept = kept[:-1]  # the last block is partial: keep the state where the next turn can use it
+        if keeps and state.reused_tokens <= len(kept):
+            caches = state.caches.extended(kept[state.reused_tokens:])
+            service.publish(lease, request.namespace, kept, caches)
         service.release(lease)
         count += 1
         hit_requests += state.reused_tokens > 0

@@ -59,6 +59,27 @@ def test_unbounded_replay_reuses_every_shared_leading_block():
     assert result.requests == 300 and result.report.live_requests == 0 and result.report.projected_bytes == 0
 
 
+def test_state_that_cannot_be_cut_back_is_kept_at_the_last_full_block_and_reused_exactly():
+    """A hybrid model's caches serve only the exact prefix they cover: each request keeps its state at
+    its last full block (the trace's last block is usually partial, and the next turn's differs), and
+    reuses the longest such kept prefix, never a cut-back longer one."""
+    requests = mooncake(bundled()).requests[:300]
+    result = replay(requests, replay_service("qwen3-next-80b-a3b", ram_bytes=1 << 60))
+    kept: set[tuple[int, ...]] = set()
+    expected_blocks = expected_tokens = 0
+    for request in requests:
+        best = max((len(k) for k in kept if request.blocks[:len(k)] == k), default=0)
+        expected_blocks += best
+        expected_tokens += min(best * BLOCK_TOKENS, request.input_length)
+        aligned = request.blocks if request.input_length % BLOCK_TOKENS == 0 else request.blocks[:-1]
+        if best <= len(aligned):
+            kept.add(aligned)
+    assert 0 < expected_blocks  # the trace's turns do reuse what the turn before kept
+    assert result.block_hits == expected_blocks and result.reused_tokens == expected_tokens
+    trimmable = replay(requests, replay_service("llama-3.2-1b", ram_bytes=1 << 60))
+    assert result.block_hits < trimmable.block_hits  # cut-back attention state serves more prefixes
+
+
 def test_a_kv_budget_refuses_what_can_never_fit_and_counts_it():
     """Under a budget smaller than some requests' projection, those are refused, the rest replay."""
     requests = mooncake(bundled()).requests[:200]
@@ -96,6 +117,8 @@ BAD_INPUTS = {
     "sessions 0": (["demo", "--sessions", "0"], "at least 1"),
     "turns 0": (["demo", "--turns", "0"], "at least 1"),
     "sessions -1": (["demo", "--sessions", "-1"], "at least 1"),
+    "fraction of a fixed-size state": (["simulate", "--granularity", "prefix", "--model", "mamba-2.8b",
+                                        "--capacity", "10%"], "give sizes"),
 }
 
 
