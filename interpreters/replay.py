@@ -127,7 +127,7 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
         kept = request.blocks
         if request.input_length % BLOCK_TOKENS and not spec.trimmable_at(len(kept)):
             kept = kept[:-1]  # the last block is partial: keep the state where the next turn can use it
-        if keeps and state.reused_tokens <= len(kept):
+        if keeps and kept and state.reused_tokens <= len(kept):
             caches = state.caches.extended(kept[state.reused_tokens:])
             service.publish(lease, request.namespace, kept, caches)
         service.release(lease)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvstate.interpreters.cli import parse_bytes
-from kvstate.interpreters.lab.traces import BLOCK_TOKENS, TraceFormatError, mooncake
+from kvstate.interpreters.lab.traces import BLOCK_TOKENS, TraceFormatError, TraceRequest, mooncake
 from kvstate.interpreters.replay import replay, replay_service
 from kvstate.interpreters.traces import bundled
 
@@ -63,7 +63,8 @@ def test_state_that_cannot_be_cut_back_is_kept_at_the_last_full_block_and_reused
     """A hybrid model's caches serve only the exact prefix they cover: each request keeps its state at
     its last full block (the trace's last block is usually partial, and the next turn's differs), and
     reuses the longest such kept prefix, never a cut-back longer one."""
-    requests = mooncake(bundled()).requests[:300]
+    short = TraceRequest(0.0, BLOCK_TOKENS // 2, 10, (7,))  # one partial block: nothing to keep
+    requests = (short,) + mooncake(bundled()).requests[:300]
     result = replay(requests, replay_service("qwen3-next-80b-a3b", ram_bytes=1 << 60))
     kept: set[tuple[int, ...]] = set()
     expected_blocks = expected_tokens = 0
@@ -72,7 +73,7 @@ def test_state_that_cannot_be_cut_back_is_kept_at_the_last_full_block_and_reused
         expected_blocks += best
         expected_tokens += min(best * BLOCK_TOKENS, request.input_length)
         aligned = request.blocks if request.input_length % BLOCK_TOKENS == 0 else request.blocks[:-1]
-        if best <= len(aligned):
+        if aligned and best <= len(aligned):
             kept.add(aligned)
     assert 0 < expected_blocks  # the trace's turns do reuse what the turn before kept
     assert result.block_hits == expected_blocks and result.reused_tokens == expected_tokens
