@@ -153,8 +153,10 @@ def test_a_service_with_an_unknown_loader_is_refused_before_it_claims_the_direct
 
 
 def test_the_loader_is_chosen_by_device(tmp_path):
+    """MLX's own loader where it reads the open file by its path (Linux) or feeds a CUDA device."""
     on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    assert DiskStore(tmp_path, IDENTITY).loader == ("mlx" if on_cuda else "buffer")
+    by_path = sys.platform.startswith("linux")
+    assert DiskStore(tmp_path, IDENTITY).loader == ("mlx" if on_cuda or by_path else "buffer")
 
 
 def test_restored_arrays_move_to_the_device_where_it_is_a_cuda_gpu(tmp_path):
@@ -163,6 +165,33 @@ def test_restored_arrays_move_to_the_device_where_it_is_a_cuda_gpu(tmp_path):
     arrays = [mx.arange(10), mx.zeros((0,)), mx.ones((3, 4), dtype=mx.bfloat16)]
     assert move_to_device(arrays) is on_cuda  # and where it moves nothing, it says so
     assert arrays[0].tolist() == list(range(10)) and arrays[2].tolist() == [[1.0] * 4] * 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX reads a file by its path on Linux only")
+def test_mlx_reads_the_open_file_by_its_path_and_a_failed_read_there_is_an_io_error(tmp_path, monkeypatch):
+    """MLX's loader reads the very file the header was checked in, by the open descriptor's path, with
+    its own reader. A read that fails there (MLX's own error, struck where it reads by path) is an I/O
+    error: tried once more from a fresh open, then reported; the file is neither moved aside nor
+    forgotten, and restores once the reads work."""
+    from kvstate.interpreters import disk_store
+
+    store, key, path = saved(tmp_path, loader="mlx")
+    real_load, read = mx.load, []
+
+    def load(source, *args, **kwargs):
+        if isinstance(source, str):
+            read.append(os.path.samefile(source, path))
+            if failing:
+                raise RuntimeError("[read] Unable to read from file.")
+        return real_load(source, *args, **kwargs)
+    monkeypatch.setattr(disk_store.mx, "load", load)
+    failing = True
+    with pytest.raises(RejectedFile) as rejected:
+        store.read_prefix(key)
+    assert rejected.value.reason is FailureReason.IO_ERROR and read == [True, True]  # the read, and its retry
+    assert path.exists() and not store.rejected
+    failing = False
+    assert mlx_caches.live_bytes(store.read_prefix(key)) > 0 and read[-1] is True
 
 
 def test_a_foreign_identity_is_never_restored(tmp_path):

@@ -21,8 +21,11 @@ PROMPT = tuple(range(1, 31))
 
 @pytest.fixture(params=LOADERS, autouse=True)
 def loader(request, monkeypatch):
-    """Every test runs with each way a store reads a file (the reused buffer, MLX's own loader)."""
+    """Every test runs with each way a store reads a file (the reused buffer, MLX's own loader); MLX's
+    reads go through the storage seam these tests cut (not by the open file's path, which MLX reads
+    on its own)."""
     monkeypatch.setattr(disk_store, "default_loader", lambda: request.param)
+    monkeypatch.setattr(disk_store, "READ_BY_PATH", False)
     return request.param
 
 
@@ -118,3 +121,4 @@ def test_an_io_error_that_recurs_leaves_a_valid_file_in_place_for_the_next_reque
     assert (again.source, again.reused_tokens) == (Source.DISK, len(PROMPT))
     service.release(second)
     service.close()
+
