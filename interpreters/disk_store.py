@@ -220,8 +220,8 @@ LOADERS = ("buffer", "mlx")
 def default_loader() -> str:
     """``"mlx"`` where MLX reads a file by its path (Linux) or the default device is a CUDA GPU, else
     ``"buffer"``. Measured (bench/README.md): on this project's CPUs MLX's own reader, given the open
-    file's path, restores 64 and 512 MB entries 1.4-2.5x sooner than the reused buffer (the same or
-    sooner from a cold page cache); through :class:`SeamReader` it lost on small entries and cold. On a
+    file's path, restores 64 and 512 MB entries 1.4-2.7x sooner than the reused buffer with the page
+    cache warm (from a cold one, 1.3x sooner at 512 MB, 8 % slower at 64 MB); through :class:`SeamReader` it lost on small entries and cold. On a
     lent H100, by path and then moved to the device, it brought 0.54-4.30 GB entries to their first GPU
     use 2.8-5.9x sooner than the buffer loader."""
     return "mlx" if READ_BY_PATH or on_cuda() else "buffer"
