@@ -84,6 +84,27 @@ class StepClock:
         facade.step = timed
 
 
+def progress(message: str) -> None:
+    """One line on stderr as each part finishes, so a run cut short still shows how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def fingerprint_once() -> None:
+    """Fingerprint the in-process model once per process, as a server does once at start-up.
+
+    Every service built here is for the same model; hashing its weights again for each (seconds at
+    8B) would only time the fingerprint, which ``bench/identity.py`` measures on its own.
+    """
+    import kvstate.interpreters.mlx_interpreter as interpreter
+    original, known = interpreter.model_fingerprint, {}
+
+    def once(model, config=None):
+        if id(model) not in known:
+            known[id(model)] = original(model, config)
+        return known[id(model)]
+    interpreter.model_fingerprint = once
+
+
 def service_for(model, config, directory):
     from kvstate import KvCacheService
     return KvCacheService.for_mlx(model, config=config, name="bench", ram_bytes=64 << 30, disk_dir=directory,
@@ -128,7 +149,9 @@ def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
     from kvstate.interpreters import mlx_caches
 
     model, config = build(name)
+    progress(f"write {name}: model built")
     service = service_for(model, config, directory)
+    progress(f"write {name}: service built")
     out: dict = {"model": name, "rows": []}
     for length in lengths:
         prompt = prompt_of(length, salt=length)
@@ -142,6 +165,7 @@ def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
             misses.append(time.perf_counter() - start)
             service.release(request)
         misses = misses[1:]
+        progress(f"write {name} {length}: miss {statistics.median(misses) * 1000:.1f} ms")
         request = Request(prompt, 16)
         state = service.acquire(request, "bench")
         prefill(model, state.caches, prompt[state.reused_tokens:])
@@ -171,6 +195,8 @@ def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
             assert (reused, source) == (length, "ram"), (reused, source)
             hits.append(elapsed)
         hits = hits[1:]
+        progress(f"write {name} {length}: RAM hit {statistics.median(hits) * 1000:.1f} ms, "
+                 f"spill {nbytes / statistics.median(spill) / 1e9:.2f} GB/s")
         out["rows"].append({"tokens": length, "bytes": nbytes, "miss_s": statistics.median(misses),
                             "ram_hit_s": statistics.median(hits), "spill_s": statistics.median(spill),
                             "raw_write_s": statistics.median(raw_write)})
@@ -195,6 +221,7 @@ def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
     out["decision_s_mean"] = statistics.fmean(per_request)
     out["core_steps"] = clock.calls
     out["decode_step_s"] = statistics.median(decode)
+    progress(f"write {name}: decisions {out['decision_s_per_request'] * 1e6:.0f} µs per request")
     assert service.close().durable
     return out
 
@@ -202,6 +229,7 @@ def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
 def reader_phase(name: str, lengths: list[int], directory: str, repeat: int) -> dict:
     """A fresh process: disk hits and restore bandwidth from the files the writer left."""
     model, config = build(name)
+    progress(f"read {name}: model built")
     out: dict = {"rows": []}
     for length in lengths:
         prompt = prompt_of(length, salt=length)
@@ -241,6 +269,9 @@ def reader_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
             mx.eval([mx.array(memoryview(data)[i:i + piece], dtype=mx.uint8) for i in range(0, len(data), piece)])
             raw_reads.append(time.perf_counter() - start)
             service.close()
+            progress(f"read {name} {length}: disk hit {hits[-1] * 1000:.1f} ms"
+                     + (f", not moved {unmoved[-1] * 1000:.1f} ms" if unmoved else "")
+                     + f", restore {restores[-1] * 1000:.1f} ms, raw read {raw_reads[-1] * 1000:.1f} ms")
         out["rows"].append({"tokens": length, "disk_hit_s": statistics.median(hits[1:]),
                             "disk_hit_unmoved_s": statistics.median(unmoved[1:]) if unmoved else None,
                             "restore_s": statistics.median(restores[1:]),
@@ -264,6 +295,7 @@ def main() -> None:
         return
     lengths = [int(n) for n in args.prompts.split(",")]
     if args.phase:
+        fingerprint_once()
         run = writer_phase if args.phase == "write" else reader_phase
         print(json.dumps(run(args.models, lengths, args.dir, args.repeat)))
         return
@@ -274,14 +306,18 @@ def main() -> None:
                 child = subprocess.run([sys.executable, __file__, "--phase", which, "--models", name, "--prompts",
                                         args.prompts, "--repeat", str(args.repeat), "--dir", directory]
                                        + (["--allow-cpu"] if args.allow_cpu else []),
-                                       capture_output=True, text=True)
+                                       stdout=subprocess.PIPE, text=True)  # stderr: the progress lines
                 if child.returncode != 0:
-                    raise SystemExit(f"{which} phase of {name} failed:\n{child.stderr}")
+                    raise SystemExit(f"{which} phase of {name} failed (its stderr is above)")
                 return json.loads(child.stdout.strip().splitlines()[-1])
             written, read = phase("write"), phase("read")
         for w, r in zip(written["rows"], read["rows"]):
             w.update(r)
         results.append(written)
+        if args.out:  # each model's figures as soon as they are in, so a run cut short keeps them
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu.json"), "w") as f:
+                json.dump(results, f, indent=1)
         print(f"\n{name}: {mx.default_device()}, bf16 random weights; decode step "
               f"{written['decode_step_s'] * 1000:.2f} ms, service decisions {written['decision_s_per_request'] * 1e6:.0f}"
               f" µs per request, median of {DECISION_REQUESTS} (mean {written['decision_s_mean'] * 1e6:.0f}; "
@@ -295,10 +331,6 @@ def main() -> None:
                   f"{(row['disk_hit_unmoved_s'] or float('nan')) * 1000:>10.2f} "
                   f"{gb / row['restore_s']:>13.2f} {gb / row['raw_read_s']:>14.2f} {gb / row['spill_s']:>11.2f} "
                   f"{gb / row['raw_write_s']:>15.2f}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu.json"), "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
