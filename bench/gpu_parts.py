@@ -13,7 +13,13 @@
   own safetensors loader) at the 8B geometry, 4k and 16k tokens, timed to the first GPU use of
   what they restored, beside a plain read of the same file.
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore
+- ``restore-steps``: the served restore (MLX's loader by path, moved to the device) at 16k and 32k
+  tokens of the 8B geometry, step by step: MLX's read of the file into memory it allocates, the
+  hash of every tensor, the move to the device with the first GPU use; beside the fastest plain
+  read of the same file into a reused buffer and into memory allocated for it, and MLX allocating
+  and filling as many bytes on its own (what its memory costs before any byte is read).
+
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps
 """
 
 from __future__ import annotations
@@ -167,8 +173,68 @@ def restore() -> None:
             f"{name} {1e3 * t:.0f} ms ({size / t / 1e9:.2f} GB/s)" for name, t in seconds.items()), flush=True)
 
 
+#: Entry lengths of ``restore-steps`` (8B geometry: 2.1 and 4.3 GB).
+STEP_TOKENS = (16384, 32768)
+
+
+def restore_steps() -> None:
+    """The served restore's steps, each timed on its own (second of two rounds; page cache warm)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import disk
+    from kvstate.interpreters import mlx_caches
+    from kvstate.interpreters.device_memory import move_to_device
+    from kvstate.interpreters.disk_store import DiskStore, _bytes_of, _hash_all
+
+    directory = tempfile.mkdtemp()
+    for tokens in STEP_TOKENS:
+        stores, key, path = disk.saved_for_each_loader(tokens, directory)
+        store = DiskStore(directory, stores["mlx"].identity, loader="mlx", to_device=True)
+        size = os.path.getsize(path)
+        reused = np.empty(size, dtype=np.uint8)
+        disk.read_whole(path, reused)
+        mx.eval(mx.sum(mx.array(reused[:1024]).view(mx.uint32)))  # kernels compiled before anything is timed
+        held: dict = {}
+
+        def mlx_read():
+            held["arrays"] = mx.load(path, format="safetensors", stream=mx.cpu)
+            mx.eval(list(held["arrays"].values()))
+
+        def to_device():
+            arrays = list(held["arrays"].values())
+            move_to_device(arrays)
+            mx.eval([mx.sum(a.view(mx.uint16)) for a in arrays])
+
+        def served():
+            arrays = mlx_caches.arrays_of(store.read_prefix(key))
+            mx.eval([mx.sum(a.view(mx.uint16)) for a in arrays])
+
+        def mlx_fill():
+            mx.eval(mx.full((size // 2,), 1, dtype=mx.uint16, stream=mx.cpu))
+        steps = {
+            "served restore": served,
+            "1. MLX reads the file into its memory": mlx_read,
+            "2. hash every tensor": lambda: _hash_all(_bytes_of(list(held["arrays"].values()))),
+            "3. move to the device, first GPU use": to_device,
+            "plain read into a reused buffer": lambda: min(disk.best(lambda: disk.read_whole(path, reused), 1),
+                                                           disk.best(lambda: disk.read_parallel(path, reused), 1)),
+            "plain read into new memory": lambda: disk.read_parallel(path, np.empty(size, dtype=np.uint8)),
+            "MLX allocates and fills as many bytes": mlx_fill,
+        }
+        for _ in range(2):  # the first round pays fresh memory everywhere; the second is reported
+            seconds = {}
+            for name, call in steps.items():
+                start = time.perf_counter()
+                got = call()
+                seconds[name] = got if isinstance(got, float) else time.perf_counter() - start
+            held.clear()
+        os.remove(path)
+        print(f"{tokens} tokens, {size / 1e9:.2f} GB:", flush=True)
+        for name, t in seconds.items():
+            print(f"  {name:40} {1e3 * t:8.1f} ms {size / t / 1e9:7.2f} GB/s", flush=True)
+
+
 if __name__ == "__main__":
-    parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore}
+    parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps}
     if len(sys.argv) != 2 or sys.argv[1] not in parts:
         raise SystemExit(f"usage: python bench/gpu_parts.py {'|'.join(parts)}")
     parts[sys.argv[1]]()
