@@ -95,7 +95,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from kvstate.interpreters.lab import sweep as lab
     from kvstate.interpreters.lab import traces
     from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
-    from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, block_bytes, unbounded
+    from kvstate.interpreters.lab.runs import PREFIX_POLICIES, PolicyNotAtGranularity, block_bytes, ceiling
     from kvstate.models.catalogue import model_spec
 
     if args.synthetic:
@@ -135,13 +135,13 @@ def _simulate(args: argparse.Namespace) -> int:
     except (PolicyNotAtGranularity, lab.RayUnavailable) as error:
         print(f"kvstate simulate: {error}", file=sys.stderr)
         return 2
-    ceiling = unbounded(trace)
-    print(lab.table(rows, ceiling))
+    most = ceiling(trace, args.granularity, model)
+    print(lab.table(rows, most))
     if args.json:
         lab.write_json(rows, args.json)
         print(f"wrote {len(rows)} rows to {args.json}")
     if args.plot:
-        lab.plot(rows, ceiling, args.plot, f"{trace.name}: {args.granularity} granularity, {model.name}")
+        lab.plot(rows, most, args.plot, f"{trace.name}: {args.granularity} granularity, {model.name}")
         print(f"wrote the plot to {args.plot}")
     return 0
 

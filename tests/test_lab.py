@@ -13,7 +13,7 @@ from hypothesis import given, settings
 
 from kvstate.interpreters.lab import traces
 from kvstate.interpreters.lab.blocks import BLOCK_POLICIES
-from kvstate.interpreters.lab.runs import PREFIX_POLICIES, run_blocks, run_prefixes, unbounded
+from kvstate.interpreters.lab.runs import PREFIX_POLICIES, ceiling, run_blocks, run_prefixes, unbounded
 from kvstate.interpreters.lab.sweep import BadCapacity, RayUnavailable, parse_capacity, sweep
 from kvstate.interpreters.traces import bundled
 from kvstate.models import model_spec
@@ -36,6 +36,27 @@ def test_unbounded_replays_reproduce_the_published_figures(bundled_trace):
                     run_prefixes(trace, "lru", 1 << 62, None, MODEL)):
         assert round(outcome.block_hit_ratio, 4) == block
         assert round(outcome.token_hit_ratio, 4) == token
+
+
+def test_the_ceiling_at_prefix_granularity_follows_the_geometrys_reuse_rules():
+    """An unbounded cache of state that cannot be cut back (a hybrid model) reuses only the exact
+    prefixes kept, so its ceiling is below the block-level one; no policy's row rises above it, and
+    ``kvstate simulate`` prints it as the unbounded row."""
+    trace = traces.Trace("first 400", traces.read(bundled("conversation_trace.jsonl")).requests[:400])
+    hybrid = model_spec("qwen3-next-80b-a3b")
+    most = ceiling(trace, "prefix", hybrid)
+    assert 0 < most.token_hit_ratio < unbounded(trace).token_hit_ratio
+    for policy in ("lru", "gdsf"):
+        assert run_prefixes(trace, policy, hybrid.bytes_for(512) * 40, None, hybrid).reused_tokens <= most.reused_tokens
+    assert ceiling(trace, "block", hybrid) == unbounded(trace)
+    # an attention model's state can be cut back: its prefix ceiling is the block-level one
+    assert ceiling(trace, "prefix", MODEL).reused_tokens == unbounded(trace).reused_tokens
+    done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "simulate", "--limit", "400",
+                           "--granularity", "prefix", "--model", "qwen3-next-80b-a3b", "--capacity", "10%",
+                           "--policy", "lru", "--json", "", "--plot", ""], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("(unbounded)")).split()
+    assert float(row[2]) == pytest.approx(most.token_hit_ratio, abs=1e-4)
 
 
 def naive_hits(policy: str, capacity: int, accesses: list[int]) -> int:

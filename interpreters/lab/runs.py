@@ -55,6 +55,15 @@ def unbounded(trace: Trace) -> Outcome:
     return Outcome(len(trace.requests), hit_requests, prompt, reused, accesses, hits, 0, 0, 0.0)
 
 
+def ceiling(trace: Trace, granularity: str, model: ModelSpec) -> Outcome:
+    """What an unbounded cache reuses at ``granularity``: every block ever seen, or (whole prefixes)
+    the same replay as the policies' with room for everything, so the reuse rules of ``model``'s
+    geometry apply to it too (state that cannot be cut back serves only the prefix it covers)."""
+    if granularity == "prefix":
+        return run_prefixes(trace, "lru", 1 << 62, None, model)
+    return unbounded(trace)
+
+
 def run_blocks(trace: Trace, policy: str, capacity_blocks: int, disk_blocks: int | None,
                model: ModelSpec) -> Outcome:
     """Replay ``trace`` through a block cache of ``capacity_blocks`` (and an LRU disk tier behind it)."""
