@@ -96,6 +96,12 @@ def read_parallel(path: str, target: np.ndarray, piece: int = 8 << 20) -> None:
         os.close(fd)
 
 
+def fastest_read(path: str, target: np.ndarray, repeat: int = 1) -> float:
+    """Seconds of the faster plain read of ``path`` into ``target`` (a reused buffer): one ``readinto``
+    loop or parallel ``preadv`` pieces, each the best of ``repeat``."""
+    return min(best(lambda: read_whole(path, target), repeat), best(lambda: read_parallel(path, target), repeat))
+
+
 def measure(megabytes: int, repeat: int, directory: str) -> dict[str, float]:
     tokens = megabytes * (1 << 20) // SPEC.bytes_per_token
     caches = caches_of(tokens)

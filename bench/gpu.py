@@ -34,7 +34,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from disk import read_parallel, read_whole  # bench/disk.py: the fastest plain read, into a reused buffer
+from disk import fastest_read, read_whole  # bench/disk.py: the fastest plain read, into a reused buffer
 
 CONFIGS = {
     "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -121,12 +121,6 @@ def service_for(model, config, directory):
 DECISION_REQUESTS = 64
 
 VOCAB = 250  # token ids below every model's vocabulary (the tiny one has 256)
-
-
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 def prompt_of(length: int, salt: int = 0) -> tuple[int, ...]:
@@ -276,7 +270,7 @@ def reader_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
             if buffer is None or len(buffer) != os.path.getsize(path):
                 buffer = np.empty(os.path.getsize(path), dtype=np.uint8)  # allocated once, reused
                 read_whole(path, buffer)  # its pages faulted in before any read is timed
-            raw_reads.append(min(timed(lambda: read_whole(path, buffer)), timed(lambda: read_parallel(path, buffer))))
+            raw_reads.append(fastest_read(path, buffer))
             start = time.perf_counter()
             piece = 1 << 30  # MLX shapes are 32-bit: land the same bytes on the device in 1 GiB pieces
             mx.eval([mx.array(buffer[i:i + piece]) for i in range(0, len(buffer), piece)])
