@@ -16,7 +16,10 @@ the prompt (hashing it once, the least any cache keyed by tokens does), and
 kvstate's request (admit + acquire hit + release; and in one call, ``try_acquire``
 hit + release, as a scheduler that starts what it admits runs it) and publish
 as ratios of the peer's fetch and insert. ``--no-gc`` keeps the cyclic garbage collector off
-while timing; ``--no-peer`` times kvstate alone.
+while timing; ``--no-peer`` times kvstate alone. ``--parts`` times one request's parts instead, and a
+hit request and a miss's publish three ways beside the peer: through the facade, as core steps, and as
+the least those steps could write on the same structures (no check, no decision): the floor of this
+representation of the state.
 
     python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
     python bench/decisions.py --parts
@@ -121,7 +124,7 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     from kvstate.core.state import content_tag
     from kvstate.core.tokens import Tokens
 
-    service, _ = build(entries, samples)
+    service, peer = build(entries, 3 * samples)  # room for what floor() publishes
     tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
     prompts = [entry_tokens((k * 7919) % entries) + tail for k in range(samples)]
     requests = [Request(p, 256) for p in prompts]
@@ -166,6 +169,122 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     for name, state, event in (("admit", service.state, admit), ("acquire hit", admitted, acquire),
                                ("release", acquired, release)):
         print(f"  {name:44} {best(lambda: step(state, event), 5000):8.1f}")
+    floor(service, peer, entries, 3 * samples)
+
+
+def _rebuilt(state, **changes):
+    """``state`` with ``changes``, built as a transition builds its next state (one dict copy)."""
+    from kvstate.core.state import ServiceState
+
+    fields = state.__dict__.copy()
+    fields.update(changes)
+    built = object.__new__(ServiceState)
+    object.__setattr__(built, "__dict__", fields)
+    return built
+
+
+def least_request(state, request, lease: int, now: float):
+    """The writes a RAM hit's three steps make, on the same structures, with no check and no decision:
+    admit sets the lease and the charge; acquire looks the prompt up, restamps the entry, tells the
+    policy, sets the lease and counts; release drops the lease and the charge. What a request would
+    cost if its decisions were free."""
+    from kvstate.core import events as ev
+    from kvstate.core.state import Lease
+
+    ev.Admit(lease, request)
+    state = _rebuilt(state, leases=state.leases.set(lease, Lease(request, 1, True)),
+                     projected_bytes=state.projected_bytes + 1)
+    ev.Acquire(lease, request, "bench", lease)
+    reused, entry_id = state.ram.index.longest("bench", request.prompt)
+    entry, ram = state.entries[entry_id], state.ram
+    tier = type(ram)(ram.index, ram.bytes, ram.capacity, ram.strategy, ram.strategy.accessed(ram.policy, entry_id))
+    state = _rebuilt(state, ram=tier, entries=state.entries.set(entry_id, entry.used(now, 0)),
+                     leases=state.leases.set(lease, Lease(request, 1, True, True, "bench")),
+                     counters=state.counters.plus({"hits": 1, "prefill_tokens_saved": reused}))
+    ev.Release(lease, True)
+    return _rebuilt(state, leases=state.leases.delete(lease), projected_bytes=state.projected_bytes - 1)
+
+
+def _publish_event(request: Request, handle: int):
+    from kvstate.core import events as ev
+
+    nbytes = SPEC.bytes_for(PROMPT)
+    return ev.Publish(request, "bench", request.prompt, handle, PROMPT, nbytes, True, 0)
+
+
+def least_publish(state, request, handle: int, now: float):
+    """The writes keeping a new prompt's state makes, on the same structures, with no check and no
+    decision: the content tag, the policy told of its arrival and insert, the entry, the index insert
+    and its look for served prefixes, the count. What a publish would cost if its decisions were free."""
+    from kvstate.core.state import Entry, Residence, content_tag
+
+    event = _publish_event(request, handle)
+    data, ram, entry_id = event.tokens.packed, state.ram, state.next_entry
+    ram.index.exact("bench", data)
+    tag = content_tag("bench", data)
+    policy = ram.strategy.inserted(ram.strategy.arriving(ram.policy, tag), entry_id, event.nbytes, PROMPT, tag)
+    entry = Entry(entry_id, "bench", data, event.nbytes, True, Residence.RAM, now, None, False, tag, file_bytes=0)
+    index = ram.index.insert("bench", data, entry_id, True)
+    index.prefixes_of("bench", data)
+    tier = type(ram)(index, ram.bytes + event.nbytes, ram.capacity, ram.strategy, policy)
+    return _rebuilt(state, ram=tier, entries=state.entries.set(entry_id, entry), next_entry=entry_id + 1,
+                    counters=state.counters.plus({"kept": 1}))
+
+
+def floor(service: KvCacheService, peer: LRUPromptCache, entries: int, samples: int) -> None:
+    """A hit request (admit, acquire, release) and a miss's publish, each three ways: through the
+    facade, as core steps alone, and as the least those steps could write (:func:`least_request`,
+    :func:`least_publish`); each against the peer's fetch of the same prompt and insert of the same
+    tokens, timed on alternate fresh requests in one tight loop (``--parts``)."""
+    from kvstate.core import events as ev, step
+
+    ways = ("through the facade", "as core steps", "the least they write")
+    rows: dict[str, list[float]] = {f"{op} {way}": [] for op in ("request", "publish") for way in ways}
+    rows[PEER_FETCH], rows[PEER_INSERT] = [], []
+    tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
+    state = service.state
+    for k in range(samples):
+        lease, way = 10**9 + k, ways[k % 3]
+        hit_prompt = entry_tokens((k * 7919) % entries) + tail
+        miss_prompt = tuple(range(4 * 10**9 + k * PROMPT, 4 * 10**9 + (k + 1) * PROMPT))
+        hit, miss = Request(hit_prompt, 256), Request(miss_prompt, 256)
+        if way == ways[0]:
+            request = lambda: (service.admit(hit), service.acquire(hit, "bench"), service.release(hit))
+            caches = SimCaches(miss_prompt, SPEC)
+            service.admit(miss)
+            publish = lambda: service.publish(miss, "bench", miss_prompt, caches)
+        elif way == ways[1]:
+            def request() -> None:
+                nonlocal state
+                state = step(state, ev.Admit(lease, hit)).state
+                state = step(state, ev.Acquire(lease, hit, "bench", lease)).state
+                state = step(state, ev.Release(lease, True)).state
+
+            def publish() -> None:
+                nonlocal state
+                state = step(state, _publish_event(miss, lease)).state
+        else:
+            def request() -> None:
+                nonlocal state
+                state = least_request(state, hit, lease, float(k))
+
+            def publish() -> None:
+                nonlocal state
+                state = least_publish(state, miss, lease, float(k))
+        # Each call follows the peer's call of the same kind, so both meet the caches it left.
+        listed_hit, listed_miss = list(hit_prompt), list(miss_prompt)
+        rows[PEER_FETCH].append(timed(lambda: peer.fetch_nearest_cache("bench", listed_hit)))
+        rows[f"request {way}"].append(timed(request))
+        rows[PEER_INSERT].append(timed(lambda: peer.insert_cache("bench", listed_miss, [])))
+        rows[f"publish {way}"].append(timed(publish))
+        if way == ways[0]:
+            service.release(miss)
+    fetch, insert = statistics.median(rows[PEER_FETCH]), statistics.median(rows[PEER_INSERT])
+    print(f"  {samples} alternate fresh requests: the peer's fetch of a hit prompt, the hit request, the peer's"
+          f" insert of a miss's tokens, the miss's publish; µs (median) and as a share of the peer's call:")
+    for name, values in rows.items():
+        peer_median = insert if name.startswith("publish") or name == PEER_INSERT else fetch
+        print(f"  {name:44} {statistics.median(values):8.1f} {statistics.median(values) / peer_median:8.3f}x")
 
 
 def p99(values: list[float]) -> float:

@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvstate.effects import DiskKey
 from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+from kvstate.interpreters.disk_store import DiskStore, StoreIdentity, read_into
 from kvstate.interpreters.host_memory import keep_freed_memory
 from kvstate.models import model_spec
 
@@ -70,11 +70,11 @@ _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="raw-read")
 
 
 def read_whole(path: str, target: np.ndarray) -> None:
-    """``path`` into ``target`` with one ``readinto`` loop."""
+    """``path`` into ``target`` with the store's own ``readinto`` loop."""
     with open(path, "rb", buffering=0) as file:
-        view, done = memoryview(target), 0
-        while done < len(view):
-            done += file.readinto(view[done:])
+        view = memoryview(target)
+        if read_into(file, view) < len(view):
+            raise OSError(f"{path}: shorter than the {len(view):,} bytes to read")
 
 
 def read_parallel(path: str, target: np.ndarray, piece: int = 8 << 20) -> None:
