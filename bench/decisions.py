@@ -169,7 +169,35 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     for name, state, event in (("admit", service.state, admit), ("acquire hit", admitted, acquire),
                                ("release", acquired, release)):
         print(f"  {name:44} {best(lambda: step(state, event), 5000):8.1f}")
+    by_length(service, samples)
     floor(service, peer, entries, 3 * samples)
+
+
+#: Prompt lengths ``by_length`` compares: admit and release should cost the same at each.
+LENGTHS = (500, 32_000)
+
+
+def by_length(service: KvCacheService, samples: int) -> None:
+    """Admit and release of fresh requests at each of :data:`LENGTHS` prompt tokens, through the facade
+    and as core steps alone (``--parts``): neither should grow with the prompt."""
+    from kvstate.core import events as ev, step
+
+    print(f"  admit and release by prompt length, {samples} fresh requests each, µs (median):")
+    for length in LENGTHS:
+        requests = [Request(tuple(range(5 * 10**9 + k * length, 5 * 10**9 + (k + 1) * length)), 256)
+                    for k in range(samples)]
+        calls: dict[str, list[float]] = {"admit": [], "release": [], "admit step": [], "release step": []}
+        for request in requests:
+            calls["admit"].append(timed(lambda: service.admit(request)))
+            calls["release"].append(timed(lambda: service.release(request)))
+        state = service.state
+        for k, request in enumerate(requests):
+            admit, release = ev.Admit(10**9 + k, request), ev.Release(10**9 + k, True)
+            admitted = []
+            calls["admit step"].append(timed(lambda: admitted.append(step(state, admit).state)))
+            calls["release step"].append(timed(lambda: step(admitted[0], release)))
+        print(f"  {length:>6,} tokens: " + ", ".join(f"{name} {statistics.median(values):.1f}"
+                                                   for name, values in calls.items()))
 
 
 def _rebuilt(state, **changes):
