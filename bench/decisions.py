@@ -279,7 +279,6 @@ def floor(service: KvCacheService, peer: LRUPromptCache, entries: int, samples: 
         if way == ways[0]:
             request = lambda: (service.admit(hit), service.acquire(hit, "bench"), service.release(hit))
             caches = SimCaches(miss_prompt, SPEC)
-            service.admit(miss)
             publish = lambda: service.publish(miss, "bench", miss_prompt, caches)
         elif way == ways[1]:
             def request() -> None:
@@ -305,8 +304,6 @@ def floor(service: KvCacheService, peer: LRUPromptCache, entries: int, samples: 
         rows[f"request {way}"].append(timed(request))
         rows[PEER_INSERT].append(timed(lambda: peer.insert_cache("bench", listed_miss, [])))
         rows[f"publish {way}"].append(timed(publish))
-        if way == ways[0]:
-            service.release(miss)
     fetch, insert = statistics.median(rows[PEER_FETCH]), statistics.median(rows[PEER_INSERT])
     print(f"  {samples} alternate fresh requests: the peer's fetch of a hit prompt, the hit request, the peer's"
           f" insert of a miss's tokens, the miss's publish; µs (median) and as a share of the peer's call:")
