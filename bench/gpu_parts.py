@@ -19,13 +19,13 @@
   read of the same file into a reused buffer and into memory allocated for it, and MLX allocating
   and filling as many bytes on its own (what its memory costs before any byte is read).
 
-- ``restore-reuse``: whether MLX's buffer cache serves a restore's memory: MLX's read of the 2.1 GB
-  file three times in a row, its arrays freed between reads, three ways (freed unused; freed after
-  their move to the device and a GPU use; freed and the buffer cache cleared, as mlx-lm's batch
-  generator clears it after every prefill chunk), each read's time beside how much of the buffer
-  cache it took.
+- ``restore-reuse``: whether a restore's memory is reused: MLX's read of a 1.1 and a 2.1 GB file
+  three times in a row, its arrays freed between reads four ways (:data:`REUSE_WAYS`), each read's time
+  beside how much of MLX's buffer cache it took; with ``--keep-freed-memory``, as ``kvstate serve``
+  runs (glibc keeps freed blocks for reuse).
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|restore-reuse
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps
+    python bench/gpu_parts.py restore-reuse [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -295,56 +295,70 @@ def restore_steps() -> None:
 
 #: How ``restore-reuse`` frees a read's arrays before the next read: a name, whether MLX's buffer
 #: cache may hold every freed byte (else MLX's default limit), whether the arrays were first moved to
-#: the device and used there, and whether the cache is then cleared, as mlx-lm's ``BatchGenerator``
-#: does after every prefill chunk (what a served restore meets).
-REUSE_WAYS = (("freed, MLX's default cache limit", False, False, False),
-              ("freed, cache up to the memory limit", True, False, False),
-              ("moved, used on the device, freed, cache up to the limit", True, True, False),
-              ("freed, cache up to the limit, then cleared", True, False, True))
+#: the device and used there, and whether MLX's cache is then cleared, as mlx-lm's ``BatchGenerator``
+#: does after every prefill chunk.
+REUSE_WAYS = (("freed", False, False, False),
+              ("freed, then MLX's cache cleared", False, False, True),
+              ("freed, MLX's cache up to the memory limit", True, False, False),
+              ("moved, used on the device, freed, cache up to the limit", True, True, False))
 
 
-def restore_reuse() -> None:
-    """MLX's read of one saved entry (8B geometry, 16k tokens) three times in a row for each of
-    :data:`REUSE_WAYS`: each read's time, and the bytes of MLX's buffer cache it took (the cache
-    before the read less after: what it reused rather than allocated)."""
+#: Entry lengths of ``restore-reuse`` (8B geometry: 1.07 and 2.15 GB, either side of the 2 GiB that
+#: glibc's trim threshold can be set to at most).
+REUSE_TOKENS = (8192, 16384)
+
+
+def restore_reuse(keep_freed: bool = False) -> None:
+    """MLX's read of one saved entry (8B geometry, :data:`REUSE_TOKENS`) three times in a row for each
+    of :data:`REUSE_WAYS`: each read's time, and the bytes of MLX's buffer cache it took (the cache
+    before the read less after: what it reused rather than allocated). With ``keep_freed``, glibc
+    keeps freed memory for reuse first, as ``kvstate serve`` asks at its start."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters.device_memory import move_to_device
+    from kvstate.interpreters.host_memory import keep_freed_memory
 
+    kept = keep_freed and keep_freed_memory()
     directory = tempfile.mkdtemp()
-    _, _, path = disk.saved_for_each_loader(STEP_TOKENS[0], directory)
-    size = os.path.getsize(path)
-    disk.read_whole(path, np.empty(size, dtype=np.uint8))  # the page cache holds the file
     mx.eval(mx.sum(mx.zeros((1024,), dtype=mx.uint32)))  # kernels compiled before anything is timed
     default = mx.set_cache_limit(mx.get_memory_limit())
     mx.set_cache_limit(default)
-    print(f"{STEP_TOKENS[0]} tokens, {size / 1e9:.2f} GB, on {'CUDA' if on_cuda() else 'the CPU'}; MLX's "
-          f"default cache limit {default / 1e9:.2f} GB, memory limit {mx.get_memory_limit() / 1e9:.1f} GB:",
-          flush=True)
-    for way, whole_cache, on_device, cleared in REUSE_WAYS:
-        mx.set_cache_limit(mx.get_memory_limit() if whole_cache else default)
+    print(f"on {'CUDA' if on_cuda() else 'the CPU'}; MLX's default cache limit {default / 1e9:.2f} GB, memory "
+          f"limit {mx.get_memory_limit() / 1e9:.1f} GB; freed memory "
+          f"{'kept by glibc' if kept else 'as the C library gives it back'}:", flush=True)
+    for tokens in REUSE_TOKENS:
+        _, _, path = disk.saved_for_each_loader(tokens, directory)
+        size = os.path.getsize(path)
+        disk.read_whole(path, np.empty(size, dtype=np.uint8))  # the page cache holds the file
+        print(f"{tokens} tokens, {size / 1e9:.2f} GB:", flush=True)
+        for way, whole_cache, on_device, cleared in REUSE_WAYS:
+            mx.set_cache_limit(mx.get_memory_limit() if whole_cache else default)
+            mx.clear_cache()
+            for round_ in range(1, 4):
+                cached = mx.get_cache_memory()
+                start = time.perf_counter()
+                arrays = list(mx.load(path, format="safetensors", stream=mx.cpu).values())
+                mx.eval(arrays)
+                seconds = time.perf_counter() - start
+                took = cached - mx.get_cache_memory()
+                if on_device:
+                    move_to_device(arrays)
+                    mx.eval([mx.sum(a.view(mx.uint16)) for a in arrays])
+                del arrays
+                if cleared:
+                    mx.clear_cache()
+                print(f"  {way:56} read {round_}: {1e3 * seconds:7.1f} ms ({size / seconds / 1e9:5.2f} GB/s), "
+                      f"{took / 1e9:5.2f} GB from the cache", flush=True)
+        mx.set_cache_limit(default)
         mx.clear_cache()
-        for round_ in range(1, 4):
-            cached = mx.get_cache_memory()
-            start = time.perf_counter()
-            arrays = list(mx.load(path, format="safetensors", stream=mx.cpu).values())
-            mx.eval(arrays)
-            seconds = time.perf_counter() - start
-            took = cached - mx.get_cache_memory()
-            if on_device:
-                move_to_device(arrays)
-                mx.eval([mx.sum(a.view(mx.uint16)) for a in arrays])
-            del arrays
-            if cleared:
-                mx.clear_cache()
-            print(f"  {way:56} read {round_}: {1e3 * seconds:7.1f} ms ({size / seconds / 1e9:5.2f} GB/s), "
-                  f"{took / 1e9:5.2f} GB from the cache", flush=True)
-    mx.set_cache_limit(default)
-    os.remove(path)
+        os.remove(path)
 
 if __name__ == "__main__":
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
              "restore-reuse": restore_reuse}
-    if len(sys.argv) != 2 or sys.argv[1] not in parts:
-        raise SystemExit(f"usage: python bench/gpu_parts.py {'|'.join(parts)}")
-    parts[sys.argv[1]]()
+    if sys.argv[1:] == ["restore-reuse", "--keep-freed-memory"]:
+        restore_reuse(keep_freed=True)
+    elif len(sys.argv) != 2 or sys.argv[1] not in parts:
+        raise SystemExit(f"usage: python bench/gpu_parts.py {'|'.join(parts)} (restore-reuse [--keep-freed-memory])")
+    else:
+        parts[sys.argv[1]]()

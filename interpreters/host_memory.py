@@ -9,7 +9,11 @@ and 55-75 ms when freed blocks are kept and reused (``bench/disk.py
 --keep-freed-memory``). Which of the two a process gets depends on the sizes it
 freed last. A serving process reuses the same sizes all day, so ``kvstate
 serve`` asks for the second at start; the memory it frees then stays with the
-process (its RSS does not shrink) for the next request to reuse.
+process (its RSS does not shrink) for the next request to reuse, whatever its
+size: glibc never trims the heap's top. (A trim threshold in bytes is an int,
+so at most 2 GiB: a freed 2.15 GB restore gave its memory back, and the next
+one faulted every page in again, 3.3x slower: ``bench/gpu_parts.py
+restore-reuse``.)
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import platform
 #: glibc's ``mallopt`` parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+#: A trim threshold of -1 (the largest size, to glibc): the heap's top is never given back.
+NEVER_TRIM = -1
 #: The environment settings of the same thresholds: where the operator set one, it stands.
 ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
@@ -37,10 +43,10 @@ def keep_freed_memory(block_bytes: int = 1 << 30) -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # The mmap threshold first: where glibc refuses it, nothing has changed (setting either threshold
     # stops glibc moving the other, and a trim threshold alone would pin mmap at 128 KiB); where a
-    # glibc caps it, at 32 MiB. Then the trim threshold, at least twice the blocks, so freed blocks
-    # at the heap's top are kept, not given back.
+    # glibc caps it, at 32 MiB. Then the trim threshold, at never, so freed blocks at the heap's top
+    # are kept however many consolidate there.
     if not mallopt(M_MMAP_THRESHOLD, block_bytes):
         block_bytes = min(block_bytes, 32 << 20)
         if not mallopt(M_MMAP_THRESHOLD, block_bytes):
             return False
-    return bool(mallopt(M_TRIM_THRESHOLD, min(2 * block_bytes, 2**31 - 1)))
+    return bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
