@@ -309,8 +309,8 @@ REUSE_TOKENS = (8192, 16384)
 
 
 def restore_reuse(keep_freed: bool = False) -> None:
-    """MLX's read of one saved entry (8B geometry, :data:`REUSE_TOKENS`) three times in a row for each
-    of :data:`REUSE_WAYS`: each read's time, and the bytes of MLX's buffer cache it took (the cache
+    """MLX's read of a saved entry (8B geometry, each of :data:`REUSE_TOKENS`) three times in a row for
+    each of :data:`REUSE_WAYS`: each read's time, and the bytes of MLX's buffer cache it took (the cache
     before the read less after: what it reused rather than allocated). With ``keep_freed``, glibc
     keeps freed memory for reuse first, as ``kvstate serve`` asks at its start."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -352,6 +352,7 @@ def restore_reuse(keep_freed: bool = False) -> None:
         mx.set_cache_limit(default)
         mx.clear_cache()
         os.remove(path)
+
 
 if __name__ == "__main__":
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,

@@ -12,7 +12,7 @@ serve`` asks for the second at start; the memory it frees then stays with the
 process (its RSS does not shrink) for the next request to reuse, whatever its
 size: glibc never trims the heap's top. (A trim threshold in bytes is an int,
 so at most 2 GiB: a freed 2.15 GB restore gave its memory back, and the next
-one faulted every page in again, 3.3x slower: ``bench/gpu_parts.py
+one faulted every page in again, about 3x slower: ``bench/gpu_parts.py
 restore-reuse``.)
 """
 
