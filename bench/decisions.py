@@ -49,6 +49,15 @@ def entry_tokens(i: int) -> tuple[int, ...]:
     return system + tuple(range(10**9 + i * TURN, 10**9 + (i + 1) * TURN))
 
 
+#: What a hit prompt adds after the kept entry it reuses.
+HIT_TAIL = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
+
+
+def hit_prompt(k: int, entries: int) -> tuple[int, ...]:
+    """The ``k``-th hit prompt: one of the ``entries`` kept entries (spread over them), then new tokens."""
+    return entry_tokens((k * 7919) % entries) + HIT_TAIL
+
+
 def build(entries: int, samples: int, with_peer: bool = True) -> tuple[KvCacheService, LRUPromptCache | None]:
     capacity = SPEC.bytes_for(SYSTEM + TURN) * entries + SPEC.bytes_for(PROMPT) * (samples + 8)
     service = KvCacheService.simulated(SPEC, ram_bytes=capacity, kv_budget_bytes=SPEC.bytes_for(PROMPT + 256) * 4096)
@@ -75,12 +84,11 @@ def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, lis
                                      BASELINE: [], PEER_FETCH: [], PEER_INSERT: []}
     index = service.state.ram.index
     table = {entry_tokens(i): i for i in range(entries)}
-    tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
     gc.collect()
     for k in range(samples):
-        hit_prompt = entry_tokens((k * 7919) % entries) + tail
+        prompt = hit_prompt(k, entries)
         miss_prompt = tuple(range(3 * 10**9 + k * PROMPT, 3 * 10**9 + (k + 1) * PROMPT))
-        hit, miss = Request(hit_prompt, 256), Request(miss_prompt, 256)
+        hit, miss = Request(prompt, 256), Request(miss_prompt, 256)
         # Even samples run the hit as admit + acquire + release, odd ones as try_acquire + release,
         # each from the same point of the loop, so both meet the same cold caches.
         one_call = k % 2 == 1
@@ -104,11 +112,11 @@ def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, lis
             times["release"].append(released)
             times["request"].append(times["admit"][-1] + times["acquire hit"][-1] + released)
         times["index lookup"].append(timed(lambda: index.longest("bench", hit.prompt)))
-        times[BASELINE].append(timed(lambda: table.get(hit_prompt)))
+        times[BASELINE].append(timed(lambda: table.get(prompt)))
         service.release(miss)
         if peer is None:
             continue
-        listed_hit, listed_miss = list(hit_prompt), list(miss_prompt)
+        listed_hit, listed_miss = list(prompt), list(miss_prompt)
         fetched = []
         times[PEER_FETCH].append(timed(lambda: fetched.append(peer.fetch_nearest_cache("bench", listed_hit))))
         assert len(listed_hit) - len(fetched[0][1]) == SYSTEM + TURN
@@ -125,8 +133,7 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     from kvstate.core.tokens import Tokens
 
     service, peer = build(entries, 3 * samples)  # room for what floor() publishes
-    tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
-    prompts = [entry_tokens((k * 7919) % entries) + tail for k in range(samples)]
+    prompts = [hit_prompt(k, entries) for k in range(samples)]
     requests = [Request(p, 256) for p in prompts]
     calls: dict[str, list[float]] = {"admit": [], "acquire hit": [], "release": []}
     for request in requests:
@@ -193,9 +200,9 @@ def by_length(service: KvCacheService, samples: int) -> None:
         state = service.state
         for k, request in enumerate(requests):
             admit, release = ev.Admit(10**9 + k, request), ev.Release(10**9 + k, True)
-            admitted = []
-            calls["admit step"].append(timed(lambda: admitted.append(step(state, admit).state)))
-            calls["release step"].append(timed(lambda: step(admitted[0], release)))
+            calls["admit step"].append(timed(lambda: step(state, admit)))
+            admitted = step(state, admit).state
+            calls["release step"].append(timed(lambda: step(admitted, release)))
         print(f"  {length:>6,} tokens: " + ", ".join(f"{name} {statistics.median(values):.1f}"
                                                    for name, values in calls.items()))
 
@@ -215,7 +222,7 @@ def least_request(state, request, lease: int, now: float):
     """The writes a RAM hit's three steps make, on the same structures, with no check and no decision:
     admit sets the lease and the charge; acquire looks the prompt up, restamps the entry, tells the
     policy, sets the lease and counts; release drops the lease and the charge. What a request would
-    cost if its decisions were free."""
+    cost if its decisions were free. (Its events are built too, as a caller builds them, and dropped.)"""
     from kvstate.core import events as ev
     from kvstate.core.state import Lease
 
@@ -269,13 +276,12 @@ def floor(service: KvCacheService, peer: LRUPromptCache, entries: int, samples: 
     ways = ("through the facade", "as core steps", "the least they write")
     rows: dict[str, list[float]] = {f"{op} {way}": [] for op in ("request", "publish") for way in ways}
     rows[PEER_FETCH], rows[PEER_INSERT] = [], []
-    tail = tuple(range(2 * 10**9, 2 * 10**9 + PROMPT - SYSTEM - TURN))
     state = service.state
     for k in range(samples):
         lease, way = 10**9 + k, ways[k % 3]
-        hit_prompt = entry_tokens((k * 7919) % entries) + tail
+        prompt = hit_prompt(k, entries)
         miss_prompt = tuple(range(4 * 10**9 + k * PROMPT, 4 * 10**9 + (k + 1) * PROMPT))
-        hit, miss = Request(hit_prompt, 256), Request(miss_prompt, 256)
+        hit, miss = Request(prompt, 256), Request(miss_prompt, 256)
         if way == ways[0]:
             request = lambda: (service.admit(hit), service.acquire(hit, "bench"), service.release(hit))
             caches = SimCaches(miss_prompt, SPEC)
@@ -299,7 +305,7 @@ def floor(service: KvCacheService, peer: LRUPromptCache, entries: int, samples: 
                 nonlocal state
                 state = least_publish(state, miss, lease, float(k))
         # Each call follows the peer's call of the same kind, so both meet the caches it left.
-        listed_hit, listed_miss = list(hit_prompt), list(miss_prompt)
+        listed_hit, listed_miss = list(prompt), list(miss_prompt)
         rows[PEER_FETCH].append(timed(lambda: peer.fetch_nearest_cache("bench", listed_hit)))
         rows[f"request {way}"].append(timed(request))
         rows[PEER_INSERT].append(timed(lambda: peer.insert_cache("bench", listed_miss, [])))

@@ -24,8 +24,7 @@
   beside how much of MLX's buffer cache it took; with ``--keep-freed-memory``, as ``kvstate serve``
   runs (glibc keeps freed blocks for reuse).
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps
-    python bench/gpu_parts.py restore-reuse [--keep-freed-memory]
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|restore-reuse [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -308,24 +307,20 @@ REUSE_WAYS = (("freed", False, False, False),
 REUSE_TOKENS = (8192, 16384)
 
 
-def restore_reuse(keep_freed: bool = False) -> None:
+def restore_reuse() -> None:
     """MLX's read of a saved entry (8B geometry, each of :data:`REUSE_TOKENS`) three times in a row for
     each of :data:`REUSE_WAYS`: each read's time, and the bytes of MLX's buffer cache it took (the cache
-    before the read less after: what it reused rather than allocated). With ``keep_freed``, glibc
-    keeps freed memory for reuse first, as ``kvstate serve`` asks at its start."""
+    before the read less after: what it reused rather than allocated)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters.device_memory import move_to_device
-    from kvstate.interpreters.host_memory import keep_freed_memory
 
-    kept = keep_freed and keep_freed_memory()
     directory = tempfile.mkdtemp()
     mx.eval(mx.sum(mx.zeros((1024,), dtype=mx.uint32)))  # kernels compiled before anything is timed
     default = mx.set_cache_limit(mx.get_memory_limit())
     mx.set_cache_limit(default)
     print(f"on {'CUDA' if on_cuda() else 'the CPU'}; MLX's default cache limit {default / 1e9:.2f} GB, memory "
-          f"limit {mx.get_memory_limit() / 1e9:.1f} GB; freed memory "
-          f"{'kept by glibc' if kept else 'as the C library gives it back'}:", flush=True)
+          f"limit {mx.get_memory_limit() / 1e9:.1f} GB:", flush=True)
     for tokens in REUSE_TOKENS:
         _, _, path = disk.saved_for_each_loader(tokens, directory)
         size = os.path.getsize(path)
@@ -355,11 +350,17 @@ def restore_reuse(keep_freed: bool = False) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    from kvstate.interpreters.host_memory import keep_freed_memory
+
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
              "restore-reuse": restore_reuse}
-    if sys.argv[1:] == ["restore-reuse", "--keep-freed-memory"]:
-        restore_reuse(keep_freed=True)
-    elif len(sys.argv) != 2 or sys.argv[1] not in parts:
-        raise SystemExit(f"usage: python bench/gpu_parts.py {'|'.join(parts)} (restore-reuse [--keep-freed-memory])")
-    else:
-        parts[sys.argv[1]]()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=parts)
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="first ask glibc to keep freed memory for reuse, as kvstate serve does at start")
+    args = parser.parse_args()
+    if args.keep_freed_memory:
+        print(f"keep_freed_memory(): {keep_freed_memory()}", flush=True)
+    parts[args.part]()
