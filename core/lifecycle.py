@@ -4,7 +4,7 @@ A flush writes every RAM-only entry that fits beside what is saved and answers
 once the writes in flight settle (a ``Sync``); close flushes, then drops every
 RAM copy and lease. The scan at start turns what saved state holds into
 disk-only entries and checkpoint records; what does not fit the disk budget is
-deleted.
+evicted by the disk's policy in the order the files were last used, and counted.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from kvstate.core import events as ev
 from kvstate.core.checks import ensure_open
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
-from kvstate.core.replies import FlushResult
+from kvstate.core.replies import FlushResult, ScanResult
 from kvstate.core.requests import publish
 from kvstate.core.report import report
 from kvstate.core.state import (
     EMPTY, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
-from kvstate.core.tiers import boundary as give_back_one, drop_ram, insert_disk, start_spill, tick as clock_tick
+from kvstate.core.tiers import (
+    boundary as give_back_one, drop_ram, insert_disk, make_disk_room, start_spill, tick as clock_tick,
+)
 from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
@@ -115,34 +117,54 @@ def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:
 
 
 def scanned(state: ServiceState, e: done.Scanned) -> Step:
-    """Saved state found at start becomes disk-only entries (what does not fit the disk budget is deleted)."""
+    """Saved state found at start becomes disk-only entries and checkpoint records.
+
+    Checkpoints are kept first (they hold generations in progress), the most recent first. Prefixes
+    enter the disk tier in the order they were last used (each file's own time), so its policy sees
+    them as they were used; where the budget cannot hold them all, the policy's victims make room,
+    as for any write: with LRU the least recently used files go. Every file deleted is counted
+    (``disk_evictions``) and the reply says what was kept and deleted, with bytes.
+    """
     capacity = state.config.disk_capacity_bytes
     if capacity is None:
-        return Step(state, (), None)
+        return Step(state, (), ScanResult(rejected=e.rejected))
     d = Draft(state)
     out: list = []
-    # Checkpoints first: they hold generations in progress.
-    for saved in e.checkpoints:
+    deleted = deleted_bytes = 0
+    for saved in sorted(e.checkpoints, key=lambda c: c.used_at, reverse=True):
         if saved.meta.key in d.checkpoints:
             continue
         if d.disk.bytes + saved.file_bytes > capacity:
             out.append(fx.DeleteCheckpoint(saved.meta.key))
+            d.count("disk_evictions")
+            deleted, deleted_bytes = deleted + 1, deleted_bytes + saved.file_bytes
             continue
         d.checkpoints = d.checkpoints.set(saved.meta.key, CheckpointRecord(
             saved.meta.namespace, durable_tokens=saved.tokens, file_bytes=saved.file_bytes))
         d.disk.bytes += saved.file_bytes
-    for record in e.records:
+    checkpoint_bytes = d.disk.bytes
+    found_bytes = 0
+    for record in sorted(e.records, key=lambda r: r.used_at):
         namespace = record.namespace if record.namespace == OBJECTS else check_namespace(record.namespace)
         if d.disk.index.exact(namespace, record.tokens) is not None:
             continue
-        if d.disk.bytes + record.file_bytes > capacity:
-            out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
-            continue
+        found_bytes += record.file_bytes
         data = packed(record.tokens)
+        tag = content_tag(namespace, data)
+        d.disk.policy = d.disk.strategy.arriving(d.disk.policy, tag)
+        if not make_disk_room(d, record.file_bytes, out):  # larger than the whole budget: nothing makes room
+            out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
+            d.count("disk_evictions")
+            continue
         entry = Entry(d.new_entry_id(), namespace, data, record.nbytes, record.trimmable, R.DISK, d.now, None,
-                      False, content_tag(namespace, data), file_bytes=record.file_bytes)
+                      False, tag, file_bytes=record.file_bytes)
         d.set_entry(entry)
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)
+    evicted = [effect for effect in out if isinstance(effect, fx.DeleteFile)]
+    deleted += len(evicted)
+    deleted_bytes += checkpoint_bytes + found_bytes - d.disk.bytes
     d.count("rejected_files", e.rejected)
-    return Step(d.build(), tuple(out), None)
+    kept = len(d.checkpoints) + sum(1 for entry in d.entries.values() if entry.residence is R.DISK)
+    result = ScanResult(kept, d.disk.bytes, deleted, deleted_bytes, e.rejected, capacity)
+    return Step(d.build(), tuple(out), result)

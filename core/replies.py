@@ -73,6 +73,21 @@ class FlushResult:
 
 
 @attrs.frozen
+class ScanResult:
+    """What the scan at start did with saved state: files kept as disk entries (prefixes and
+    checkpoints), files deleted because the disk budget could not hold them (the least recently used
+    first), and files rejected (moved aside), each with their bytes."""
+
+    kept: int = 0
+    kept_bytes: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    rejected: int = 0
+    #: The disk budget the scan fitted saved state into (None: no disk tier).
+    capacity_bytes: int | None = None
+
+
+@attrs.frozen
 class GaveBack:
     """``boundary`` under pressure: bytes released (or being spilled to be released); ``waited``: no
     entry could be given back, and the boundary waits for the spills in flight, whose RAM copies go

@@ -134,6 +134,9 @@ class SavedRecord:
     nbytes: int
     trimmable: bool
     file_bytes: int
+    #: When the file was last written or read back (its own time, seconds since any fixed origin):
+    #: the scan keeps the most recently used where the disk budget cannot hold them all.
+    used_at: float = 0.0
 
 
 @attrs.frozen
@@ -143,6 +146,8 @@ class SavedCheckpoint:
     meta: CheckpointMeta
     tokens: int
     file_bytes: int
+    #: When the checkpoint was written (its file's own time).
+    used_at: float = 0.0
 
 
 @attrs.frozen

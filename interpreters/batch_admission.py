@@ -39,6 +39,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.sharing import Computing, shared_target
 from kvstate.core.tokens import Tokens
+from kvstate.interpreters.model_names import requested_key
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE
 
@@ -78,7 +79,7 @@ class BatchAdmission:
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
         self._namespaces: dict[int, str] = {}     # batch uid -> its request's namespace
         self._unplaced: Request | None = None     # admitted, not yet a batch row (or served unbatched)
-        self._unplaced_namespace = cache.namespace
+        self._unplaced_namespace: str | None = None  # the namespace of the request dequeued last
         self._tokenized: tuple[int, tuple] | None = None  # (id of the server request, its tokenization)
         self._rows: dict[int, Request] = {}       # batch uid -> its lease
         self.peak_batch_bytes = 0
@@ -147,6 +148,7 @@ class BatchAdmission:
 
     def _admit(self, arrival: Arrival) -> object:
         if arrival.tokenized is None:
+            self._unplaced_namespace = arrival.namespace  # the server's to serve, in the request's namespace
             return ADMITTED
         rqueue, request, args = arrival.item
         lease = Request(arrival.prompt, args.max_tokens)
@@ -174,6 +176,7 @@ class BatchAdmission:
     def _end_unplaced(self) -> None:
         """A request admitted and never made a batch row was served unbatched or failed: it is done."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        self._unplaced_namespace = None
         if lease is not None:
             self.cache.unexpect(lease)
             self.service.release(lease)
@@ -184,8 +187,10 @@ class BatchAdmission:
         """Rows ``uids`` joined the batch, with their prompt ``segments`` left to compute after the
         ``cached`` tokens (``insert_segments``' arguments)."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        namespace, self._unplaced_namespace = self._unplaced_namespace, None
         for uid in uids:
-            self._namespaces[uid] = self._unplaced_namespace if lease is not None else self.cache.namespace
+            if namespace is not None:  # a row of no known request keeps nothing
+                self._namespaces[uid] = namespace
         if segments is not None and len(uids) == len(segments):
             for uid, parts, done in zip(uids, segments, cached or [[]] * len(uids)):
                 self._computing[uid] = self._row(parts, done)
@@ -224,8 +229,9 @@ class BatchAdmission:
                 self._computing[response.uid] = attrs.evolve(row, position=start + response.progress[0])
 
     def publishing(self, uid: int, tokens: Any) -> None:
-        """Row ``uid``'s caches over ``tokens`` go to the server's next insert: in the row's namespace."""
-        self.cache.announce(tokens, self._namespaces.get(uid, self.cache.namespace))
+        """Row ``uid``'s caches over ``tokens`` go to the server's next insert: in the row's namespace (a
+        row of no known request: nowhere, the insert keeps nothing)."""
+        self.cache.announce(tokens, self._namespaces.get(uid))
 
     def ended(self, uids: Any) -> None:
         for uid in uids:
@@ -260,7 +266,8 @@ ADMITTED, WAIT, REFUSED = object(), object(), object()
 
 
 def admitting_generator(server: Any, admission: BatchAdmission) -> type:
-    """mlx-lm's ``ResponseGenerator`` whose dequeue admits each request under the KV budget."""
+    """mlx-lm's ``ResponseGenerator`` whose dequeue admits each request under the KV budget, and whose
+    requests served outside the batch keep their namespace."""
 
     class AdmittingResponseGenerator(server.ResponseGenerator):
         def _next_request(self, timeout=None):
@@ -268,12 +275,18 @@ def admitting_generator(server: Any, admission: BatchAdmission) -> type:
 
             def tokenize(item):
                 _, request, args = item
-                if tokenizer is None or args.model.model != "default_model" or args.model.adapter is not None:
+                if tokenizer is None or requested_key(self.model_provider, args.model) != admission.cache.model_key:
                     raise LookupError("not the served model: the server decides")
                 return server.ResponseGenerator._tokenize(self, tokenizer, request, args)
 
             return admission.next_admitted(lambda wait: super(AdmittingResponseGenerator, self)._next_request(wait),
                                            tokenize, timeout)
+
+        def _serve_single(self, request, stream):
+            # Served outside the batch (a seed, --kv-bits, a draft model, images): the fetch and the
+            # insert inside are this request's, in its namespace.
+            with admission.cache.serving(getattr(request[1], NAMESPACE_ATTRIBUTE, None)):
+                return super()._serve_single(request, stream)
 
         def _tokenize(self, tokenizer, request, args):
             done = admission.tokenized(request)

@@ -382,6 +382,18 @@ class SavedFile:
     checkpoint: CheckpointMeta | None
     #: The bytes the file takes, as the file system counts its size.
     file_bytes: int
+    #: The file's modification time: when it was written, or last read back (a restore touches it).
+    used_at: float = 0.0
+
+
+def _touch(path: Path) -> None:
+    """Mark a saved file used now (its modification time), so a scan at start and the root budget's
+    reclaim, which delete the least recently used files first, see the read. Never an error: a file
+    that cannot be touched (a read-only disk) keeps its write time."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 class DiskStore:
@@ -600,9 +612,10 @@ class DiskStore:
             checkpoint = None
             if metadata["kvstate.kind"] == "checkpoint":
                 checkpoint = CheckpointMeta(**json.loads(metadata["kvstate.checkpoint"]))
+            stat = os.fstat(file.fileno())
             described = SavedFile(path, metadata["kvstate.kind"], metadata["kvstate.namespace"], tokens,
                                   int(metadata["kvstate.nbytes"]), json.loads(metadata["kvstate.trimmable"]) is True,
-                                  checkpoint, os.fstat(file.fileno()).st_size)
+                                  checkpoint, stat.st_size, stat.st_mtime)
             json.loads(metadata["kvstate.layers"])
             hashes = json.loads(metadata["kvstate.hashes"])
         except (KeyError, TypeError, ValueError) as error:
@@ -744,6 +757,7 @@ class DiskStore:
         if (described.namespace, described.tokens) != (key.namespace, key.tokens):
             self.move_aside(described.path, FailureReason.CORRUPT)
             raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: covers other tokens than its name")
+        _touch(described.path)
         return caches
 
     def read_checkpoint(self, key: str) -> tuple[CheckpointMeta, tuple[int, ...], list]:
@@ -828,10 +842,11 @@ class DiskStore:
             if described is None:
                 continue
             if described.kind == "checkpoint" and described.checkpoint is not None:
-                checkpoints.append(SavedCheckpoint(described.checkpoint, len(described.tokens), described.file_bytes))
+                checkpoints.append(SavedCheckpoint(described.checkpoint, len(described.tokens), described.file_bytes,
+                                                   described.used_at))
             elif described.kind == "prefix":
                 records.append(SavedRecord(described.namespace, described.tokens, described.nbytes,
-                                           described.trimmable, described.file_bytes))
+                                           described.trimmable, described.file_bytes, described.used_at))
         return records, checkpoints, rejected
 
     def _scanned(self, path: Path) -> SavedFile | None:

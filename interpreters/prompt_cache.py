@@ -13,11 +13,12 @@ whose caches serve only their exact length, reuses a shared system prompt.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Iterator
 
 from kvstate.core.admission import held_bound
 from kvstate.core.errors import KvStateError
@@ -44,19 +45,26 @@ class KvStatePromptCache:
 
     The server's calls carry no request, so a request's namespace (its
     tenant's: :mod:`kvstate.interpreters.tenants`) is announced beside them:
-    :meth:`expect` before a fetch, :meth:`announce` before an insert. A call
-    nothing announced is the default ``namespace``'s.
+    :meth:`expect` before a batched fetch, :meth:`announce` before a batched
+    insert, and :meth:`serving` around a request served outside the batch. A
+    call nothing announced is ``unannounced``'s (the default ``namespace`` for a
+    cache used on its own); with ``unannounced=None``, as in ``kvstate serve``,
+    such a call reuses nothing and keeps nothing: state whose request is not
+    known is never filed under another tenant's namespace.
     """
 
-    def __init__(self, service: KvCacheService, model_key: Any, namespace: str = DEFAULT_NAMESPACE):
+    def __init__(self, service: KvCacheService, model_key: Any, namespace: str = DEFAULT_NAMESPACE, *,
+                 unannounced: str | None = DEFAULT_NAMESPACE):
         self.service = service
         self.model_key = model_key
         self.namespace = namespace
+        self.unannounced = unannounced
+        self._serving: str | None = None  # the namespace of the request served outside the batch now
         self._lock = threading.Lock()
         self._types: dict[tuple[str, tuple[int, ...]], str] = {}
         self._limit: tuple[int | None, int | None] = (None, None)
         self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
-        self._announced: dict[tuple[int, ...], deque[str]] = {}
+        self._announced: dict[tuple[int, ...], deque[str | None]] = {}
         self._stats: tuple[float, dict] | None = None
         config = service.config
         # The clock reaches the service only where a rule reads it (idle writes, idle demotion).
@@ -76,23 +84,34 @@ class KvStatePromptCache:
         if expected is not None and expected[0] is request:
             del self._expected[request.prompt]
 
-    def announce(self, tokens: Any, namespace: str) -> None:
+    def announce(self, tokens: Any, namespace: str | None) -> None:
         """The server's next insert of ``tokens`` is a row of ``namespace``'s (inserts of the same
-        tokens take the announced namespaces in order)."""
+        tokens take the announced namespaces in order); None: of no known request, kept nowhere."""
         with self._lock:
             if len(self._announced) >= MAX_ANNOUNCED:
                 self._announced.pop(next(iter(self._announced)))
             self._announced.setdefault(tuple(tokens), deque()).append(namespace)
 
-    def _announced_namespace(self, key: tuple[int, ...]) -> str:
+    def _announced_namespace(self, key: tuple[int, ...]) -> str | None:
         with self._lock:
             waiting = self._announced.get(key)
             if not waiting:
-                return self.namespace
+                return self.unannounced
             namespace = waiting.popleft()
             if not waiting:
                 del self._announced[key]
             return namespace
+
+    @contextlib.contextmanager
+    def serving(self, namespace: str | None) -> Iterator[None]:
+        """Every fetch and insert inside is the one request the server serves outside the batch (with
+        a ``seed``, under ``--kv-bits``, with a draft model or images), in ``namespace`` (the default
+        one if None)."""
+        self._serving = namespace or self.namespace
+        try:
+            yield
+        finally:
+            self._serving = None
 
     # ------------------------------------------------------------ what the server calls
 
@@ -101,10 +120,12 @@ class KvStatePromptCache:
         caller owns) and the tokens left to compute; ``(None, tokens)`` for a miss."""
         if model != self.model_key or not tokens:
             return None, tokens
+        key = tuple(tokens)
+        admitted, namespace = self._expected.pop(key, (None, self._serving or self.unannounced))
+        if namespace is None:
+            return None, tokens  # whose request this is is not known: reuse nothing
         self._tick()
         started = time.perf_counter()
-        key = tuple(tokens)
-        admitted, namespace = self._expected.pop(key, (None, self.namespace))
         request = admitted or Request(key, 1)
         try:
             state = self.service.acquire(request, namespace)
@@ -124,8 +145,18 @@ class KvStatePromptCache:
                      cache_type: str = "assistant") -> None:
         """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
         key = tuple(tokens)
-        namespace = self._announced_namespace(key)
+        namespace = self._serving or self._announced_namespace(key)
         if model != self.model_key or not key or not prompt_cache:
+            return
+        if namespace is None:
+            logging.info("kvstate: %s state of %d tokens not kept: no request announced it (its namespace is "
+                         "not known)", cache_type, len(key))
+            return
+        if len(prompt_cache) != len(self.service.config.model.layers):
+            # a draft model's caches ride behind the model's: kvstate's geometry has no place for them
+            logging.info("kvstate: %s state of %d tokens not kept: %d cache layers, the model has %d (a draft "
+                         "model's caches are not kept)", cache_type, len(key), len(prompt_cache),
+                         len(self.service.config.model.layers))
             return
         self._tick()
         started = time.perf_counter()

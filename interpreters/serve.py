@@ -28,11 +28,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvstate.core.admission import alone_bytes
+from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
+from kvstate.core.replies import ScanResult
 from kvstate.interpreters.batch_admission import (
     CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
 )
 from kvstate.interpreters.host_memory import keep_freed_memory
+from kvstate.interpreters.model_names import NAME_MAPS, alias_served_model
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
 from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
@@ -83,6 +86,8 @@ def check_server_internals() -> Any:
         "main() parsing sys.argv": lambda: callable(getattr(server, "main", None)),
         "ResponseGenerator._next_request(timeout)": lambda: list(
             inspect.signature(server.ResponseGenerator._next_request).parameters)[1:] == ["timeout"],
+        "ResponseGenerator._serve_single(request, stream)": lambda: list(
+            inspect.signature(server.ResponseGenerator._serve_single).parameters)[1:] == ["request", "stream"],
         "ResponseGenerator._tokenize(tokenizer, request, args)": lambda: list(
             inspect.signature(server.ResponseGenerator._tokenize).parameters)[1:] == ["tokenizer", "request", "args"],
         "BatchGenerator with insert_segments, next, extract_cache, remove, close and prompt_cache_nbytes":
@@ -180,30 +185,79 @@ def prompt_tokens(tokenizer: Any, request: Any) -> int:
     return len(tokenizer.encode(text))
 
 
-def refusal(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: int,
-            budget_bytes: int | None) -> str | None:
-    """Why ``request`` can never run (past the context limit, over the whole KV budget), or None."""
+def most_tokens_within(config: Any, budget_bytes: int) -> int:
+    """The most positions (prompt + max_tokens) a request running alone may take within ``budget_bytes``."""
+    low, high = 0, 1
+    while alone_bytes(config, high) <= budget_bytes:
+        low, high = high, high * 2
+    while high - low > 1:  # alone_bytes grows with the tokens: the last that fits lies in [low, high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if alone_bytes(config, middle) <= budget_bytes else (low, middle)
+    return low
+
+
+def fitted_max_tokens(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: int, from_client: bool,
+                      budget_bytes: int | None) -> tuple[int, str | None]:
+    """The max_tokens to serve ``request`` with, and why it can never run (None: it can).
+
+    A client's own max_tokens stands, and a request whose prompt plus it passes the model's context
+    or the whole KV budget is refused. The server's default (``--max-tokens``, for a client that sent
+    none) never turns a servable request into a refusal: it is lowered to what fits, and only a prompt
+    that leaves no room for one token is refused. Every refusal says which number came from where.
+    """
     spec = service.config.model
     try:
         prompt = prompt_tokens(tokenizer, request)
     except Exception:  # noqa: BLE001 - a prompt the template cannot render: the server's own answer stands
-        return None
+        return max_tokens, None
+    limit = spec.context_limit
+    most = None if budget_bytes is None else most_tokens_within(service.config, budget_bytes)
+    asked = (f"max_tokens {max_tokens} (the request's)" if from_client
+             else f"max_tokens {max_tokens} (the server's default, --max-tokens)")
+    where_limit = f"the model's context limit of {limit} tokens (its config's max_position_embeddings)"
+    where_budget = f"the whole KV budget of {size_text(budget_bytes or 0)} (--kv-budget-bytes)"
+    if not from_client:
+        room = max_tokens
+        if limit is not None:
+            room = min(room, limit - prompt)
+        if most is not None:
+            room = min(room, most - prompt)
+        if room >= 1:
+            return room, None
+        if limit is not None and prompt >= limit:
+            return max_tokens, (f"the prompt of {prompt} tokens leaves no room for one generated token within "
+                                f"{where_limit}; shorten the prompt")
+        return max_tokens, (f"the prompt of {prompt} tokens leaves no room for one generated token within "
+                            f"{where_budget} on its own; shorten the prompt or raise the budget")
     wanted = prompt + max_tokens
-    if spec.context_limit is not None and wanted > spec.context_limit:
-        return (f"prompt of {prompt} tokens + max_tokens {max_tokens} = {wanted} tokens is past the model's "
-                f"context limit of {spec.context_limit}; shorten the prompt or lower max_tokens")
-    need = alone_bytes(service.config, wanted)
-    if budget_bytes is not None and need > budget_bytes:
-        return (f"prompt of {prompt} tokens + max_tokens {max_tokens} needs {need} bytes of KV, "
-                f"over the whole KV budget of {budget_bytes} bytes on its own; lower max_tokens")
-    return None
+    if limit is not None and wanted > limit:
+        return max_tokens, (f"the prompt of {prompt} tokens + {asked} = {wanted} tokens is past {where_limit}; "
+                            f"shorten the prompt or lower max_tokens")
+    if most is not None and wanted > most:
+        need = alone_bytes(service.config, wanted)
+        return max_tokens, (f"the prompt of {prompt} tokens + {asked} = {wanted} tokens need {size_text(need)} of "
+                            f"KV, over {where_budget} on its own; lower max_tokens")
+    return max_tokens, None
+
+
+def scan_line(result: ScanResult) -> str:
+    """One line of what the scan at start found on disk, kept, deleted (and why) and rejected, with sizes."""
+    if result.capacity_bytes is None:
+        return "no disk tier (--disk-dir not given)"
+    line = f"saved state on disk: kept {result.kept} files ({size_text(result.kept_bytes)})"
+    if result.deleted:
+        line += (f"; deleted {result.deleted} files ({size_text(result.deleted_bytes)}) to fit --disk-bytes "
+                 f"{size_text(result.capacity_bytes)}, the policy's victims with files in the order they were "
+                 f"last used (least recently used first under lru)")
+    return line + f"; {result.rejected} files rejected (moved aside)"
 
 
 def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int | None = None,
                          admission: BatchAdmission | None = None) -> type:
     """mlx-lm's request handler with ``GET /metrics`` added, a request's ``cache_salt`` made its
-    namespace, and requests that can never run (or with a bad salt) refused with a 400 before they
-    reach the generation thread; everything else is the server's own."""
+    namespace, the server's default max_tokens lowered to what fits, and requests that can never run
+    (or with a bad salt) refused with a 400 before they reach the generation thread; everything else
+    is the server's own."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
     class KvStateHandler(server.APIHandler):
@@ -215,10 +269,12 @@ def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int
                 except BadCacheSalt as error:
                     return self._refuse(str(error), "cache_salt")
             tokenizer = self.response_generator.model_provider.tokenizer
-            why = None if tokenizer is None or not isinstance(self.max_tokens, int) else refusal(
-                service, tokenizer, request, self.max_tokens, budget_bytes)
-            if why is not None:
-                return self._refuse(why, None)
+            if tokenizer is not None and isinstance(self.max_tokens, int):
+                from_client = self.body.get("max_completion_tokens") is not None or "max_tokens" in self.body
+                self.max_tokens, why = fitted_max_tokens(service, tokenizer, request, self.max_tokens, from_client,
+                                                         budget_bytes)
+                if why is not None:
+                    return self._refuse(why, "max_tokens" if from_client else None)
             return super().handle_completion(request, stop_words)
 
         def _refuse(self, why: str, param: str | None) -> None:
@@ -313,7 +369,7 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
                           pressure=pressure, weights_dir=model_provider.cli_args.model if plain else None,
                           write_idle_after=options.disk_write_idle,
                           write_bytes_per_hour=options.disk_write_bytes_per_hour)
-    cache = KvStatePromptCache(service, model_provider.model_key)
+    cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     return cache
 
 
@@ -327,12 +383,15 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
     def run(host: str, port: int, model_provider: Any, *rest: Any, **named: Any) -> None:
         if model_provider.cli_args.model is None:
             raise SystemExit("kvstate serve needs --model PATH: the mlx-lm model directory to serve")
+        if not all(isinstance(getattr(model_provider, name, None), dict) for name in NAME_MAPS):
+            raise ServerInternalsMoved(f"mlx-lm's ModelProvider no longer has {', '.join(NAME_MAPS)}, which "
+                                       f"kvstate serve extends; install mlx-lm "
+                                       f"{', '.join(f'{a}.{b}.x' for a, b in SUPPORTED_MLX_LM)}")
+        alias_served_model(model_provider)
         if keep_freed_memory():
             logging.info("kvstate: freed host memory is kept for reuse (restores fault in no fresh pages)")
         cache = served["cache"] = build_prompt_cache(model_provider, options)
-        report = cache.service.report()
-        logging.info("kvstate: %d saved prefixes found on disk, %d files rejected", report.saved_entries,
-                     report.rejected_files)
+        logging.info("kvstate: %s", scan_line(cache.service.scan_result))
         wait = options.shared_prefix_wait if options.shared_prefix_wait is not None else default_shared_prefix_wait()
         admission = BatchAdmission(cache, share_wait_s=wait)
         # The generation thread builds its BatchGenerator by this module-level name.

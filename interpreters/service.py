@@ -19,7 +19,7 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.errors import UnknownRequest
-from kvstate.core.replies import Admission, FlushResult, Kept, ObjectFound, Source
+from kvstate.core.replies import Admission, FlushResult, Kept, ObjectFound, ScanResult, Source
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (
@@ -102,7 +102,8 @@ class KvCacheService:
         self._leases: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         self._lease_ids = itertools.count(1)
         self._handles = itertools.count(1)
-        self._run(interpreter.scan())
+        #: What the scan at start kept, deleted to fit the disk budget, and rejected.
+        self.scan_result: ScanResult = self._run(interpreter.scan())
 
     @classmethod
     def simulated(cls, model: str | ModelSpec = "llama-3.1-8b", **options: Any) -> "KvCacheService":

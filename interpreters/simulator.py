@@ -114,6 +114,8 @@ class SimFile:
     corrupt: bool = False
     payload: SimObject | None = attrs.field(default=None, repr=False)
     file_bytes: int = 0
+    #: When the file was last written or read back, in the disk's order of uses (a real file's own time).
+    used_at: float = 0.0
 
 
 @attrs.frozen
@@ -124,6 +126,8 @@ class SimCheckpoint:
     tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     identity: str
     file_bytes: int
+    #: When it was written, in the disk's order of uses.
+    used_at: float = 0.0
 
 
 @attrs.define
@@ -135,6 +139,13 @@ class SimDisk:
     rejected: list[tuple[fx.DiskKey | str, Reason]] = attrs.Factory(list)
     #: The bytes of the files moved aside (the simulated disk keeps every one).
     rejected_bytes: int = 0
+    #: Writes and reads so far: the disk's own clock, which outlives every service on it, as file times do.
+    uses: int = 0
+
+    def stamp(self) -> int:
+        """The time of a write or read now: later than every earlier one on this disk."""
+        self.uses += 1
+        return self.uses
 
     def used_bytes(self) -> int:
         """The bytes every file on it takes (prefixes, objects and checkpoints), rejected ones aside."""
@@ -239,8 +250,9 @@ class SimulatorInterpreter(HeldState):
                 self._move_aside(key, Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT)
                 rejected += 1
                 continue
-            records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable, file.file_bytes))
-        checkpoints = tuple(SavedCheckpoint(c.meta, len(c.tokens), c.file_bytes)
+            records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable, file.file_bytes,
+                                       file.used_at))
+        checkpoints = tuple(SavedCheckpoint(c.meta, len(c.tokens), c.file_bytes, c.used_at)
                             for c in self.disk.checkpoints.values() if c.identity == self.identity)
         return Scanned(tuple(records), checkpoints, rejected)
 
@@ -319,9 +331,11 @@ class SimulatorInterpreter(HeldState):
             is_object = isinstance(caches, SimObject)
             self.disk.files[e.key] = SimFile(self.identity, e.key.namespace, e.key.tokens, e.nbytes, e.trimmable,
                                              e.key.tokens if is_object else caches.tokens,
-                                             payload=caches if is_object else None, file_bytes=e.file_bytes)
+                                             payload=caches if is_object else None, file_bytes=e.file_bytes,
+                                             used_at=self.disk.stamp())
             return done.SpillDone(e.entry)
-        self.disk.checkpoints[e.meta.key] = SimCheckpoint(e.meta, caches.tokens, self.identity, e.file_bytes)
+        self.disk.checkpoints[e.meta.key] = SimCheckpoint(e.meta, caches.tokens, self.identity, e.file_bytes,
+                                                          self.disk.stamp())
         return done.CheckpointWritten(e.meta.key, len(caches.tokens), e.file_bytes)
 
     def _read(self, key: fx.DiskKey) -> SimFile | Reason:
@@ -337,6 +351,7 @@ class SimulatorInterpreter(HeldState):
             return reason
         self.stats.bytes_read += file.file_bytes
         self.stats.restore_seconds += self._read_seconds(file)
+        file.used_at = self.disk.stamp()
         return file
 
     def _read_seconds(self, file: SimFile) -> float:

@@ -301,3 +301,40 @@ def test_stores_under_one_root_share_its_budget(tmp_path):
     second.close()
     third.close()
     assert budget.used_bytes() <= 5 * one_file
+
+
+def test_a_restart_on_a_smaller_disk_budget_keeps_the_most_recently_used_files_and_counts_what_it_deletes(tmp_path):
+    model, config = build("llama", seed=9)
+
+    def service(disk_bytes):
+        return KvCacheService.for_mlx(model, ram_bytes=8 << 20, disk_dir=str(tmp_path), disk_bytes=disk_bytes,
+                                      config=config)
+    first = service(64 << 20)
+    prompts = [tuple(range(100 + 20 * i, 120 + 20 * i)) for i in range(6)]  # no prompt serves another
+    for prompt in prompts:
+        state = first.acquire(request := Request(prompt, 2), "n")
+        model(mx.array([list(prompt)]), cache=state.caches)
+        first.publish(request, "n", prompt, state.caches)
+        first.release(request)
+    assert first.close().durable
+    store = first.interpreter.store
+    paths = [store.prefix_path(DiskKey("n", prompt)) for prompt in prompts]
+    sizes = {path.stat().st_size for path in paths}
+    assert len(sizes) == 1
+    one_file = sizes.pop()
+    for age, path in enumerate(paths):  # written an hour apart, prompts[0] the oldest
+        os.utime(path, (1e9 + 3600 * age, 1e9 + 3600 * age))
+
+    second = service(64 << 20)  # a restore is a use: it makes prompts[1] the most recently used file
+    state = second.acquire(Request(prompts[1] + (7,), 2), "n")
+    assert (state.source, state.reused_tokens) == (Source.DISK, len(prompts[1]))
+    second.close()
+
+    third = service(3 * one_file + one_file // 2)
+    assert third.report().disk_evictions == 3 and third.report().saved_entries == 3
+    third.close()  # deletions run in order on the writer: settled by the close
+    kept = {prompt for prompt in prompts if store.prefix_path(DiskKey("n", prompt)).exists()}
+    assert kept == {prompts[1], prompts[4], prompts[5]}
+    result = third.scan_result
+    assert (result.kept, result.deleted, result.deleted_bytes, result.kept_bytes) == (3, 3, 3 * one_file,
+                                                                                       3 * one_file)

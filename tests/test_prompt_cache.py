@@ -79,3 +79,23 @@ def test_the_per_request_stats_pass_over_the_entries_at_most_once_a_second(monke
     assert cache.stats_by_type() == first and len(passes) == 1
     clock[0] += module.STATS_EVERY_S
     assert cache.stats_by_type()["user"]["n_sequences"] == 1 and len(passes) == 2
+
+
+def test_in_the_server_a_call_no_request_announced_reuses_and_keeps_nothing():
+    """``kvstate serve`` builds the cache with ``unannounced=None``: an insert or fetch whose request
+    is not known is filed under no namespace, never the default one; inside ``serving`` (a request the
+    server serves outside the batch) both are that request's."""
+    model, cache = adapter()
+    cache.unannounced = None
+    prompt = list(range(1, 41))
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))
+    assert len(cache) == 0 and cache.service.report().kept == 0
+    with cache.serving("salt-c"):
+        cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))
+        caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt + [99])
+        assert rest == [99]
+    assert cache.fetch_nearest_cache(MODEL_KEY, prompt + [99]) == (None, prompt + [99])
+    assert cache.service.peek_prefix_len(prompt + [99], "salt-c") == 40
+    assert cache.service.peek_prefix_len(prompt + [99], "default") == 0
+    with cache.serving(None):  # a request without a salt: the default namespace
+        assert cache.fetch_nearest_cache(MODEL_KEY, prompt + [99]) == (None, prompt + [99])

@@ -133,6 +133,17 @@ def test_a_moved_server_internal_is_refused_by_name(monkeypatch):
         serving.check_server_internals()
 
 
+def test_the_scan_at_start_is_logged_in_one_line_with_what_it_deleted_and_why():
+    from kvstate.core.replies import ScanResult
+
+    line = serving.scan_line(ScanResult(kept=9, kept_bytes=5 << 20, deleted=143, deleted_bytes=195 << 20,
+                                        rejected=1, capacity_bytes=5 << 20))
+    assert line.startswith("saved state on disk: kept 9 files (5 MiB); deleted 143 files (195 MiB) to fit "
+                           "--disk-bytes 5 MiB")
+    assert "least recently used first" in line and line.endswith("1 files rejected (moved aside)")
+    assert "deleted" not in serving.scan_line(ScanResult(kept=2, kept_bytes=10, capacity_bytes=1 << 20))
+
+
 def test_chat_completions_streamed_and_not_and_text_completions(server):
     reply = chat(server, [SYSTEM, {"role": "user", "content": "Hello, how are you?"}])
     assert reply.choices[0].message.content and reply.usage.completion_tokens == 8

@@ -12,8 +12,9 @@ from kvstate.core import events as ev
 from kvstate.core.errors import CheckpointNotAllowed, InvalidRequest, OverBudget, RequestKeepsNoState, \
     TokensDoNotMatchCaches
 from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, \
-    ObjectMissing, Pending, Source
+    ObjectMissing, Pending, ScanResult, Source
 from kvstate.core.request import Continuation, Request
+from kvstate.core.policies import POLICIES
 from kvstate.core.state import OBJECTS, Phase, Residence, ServiceConfig, initial_state
 from kvstate.core.tiers import MAX_READ_ERRORS
 from kvstate.core.transitions import optional_bytes, step
@@ -736,20 +737,50 @@ def test_an_object_put_needs_ram_and_fits_the_smallest():
 
 def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():
     core = tiered(disk_capacity_bytes=30)
-    records = (done.SavedRecord(OBJECTS, tuple(b"w"), 10, False, 10), done.SavedRecord("n", (1, 2), 20, True, 20),
-               done.SavedRecord("n", (3, 4), 1, True, 1))
-    core(done.Scanned(records))
-    assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (3, 4)))]
+    records = (done.SavedRecord(OBJECTS, tuple(b"w"), 10, False, 10, used_at=3.0),
+               done.SavedRecord("n", (1, 2), 20, True, 20, used_at=2.0),
+               done.SavedRecord("n", (3, 4), 1, True, 1, used_at=1.0))
+    result = core(done.Scanned(records))
+    assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (3, 4)))]  # the least recently used
     assert core.state.disk.bytes == 30 and len(core.state.entries) == 2
+    assert result == ScanResult(kept=2, kept_bytes=30, deleted=1, deleted_bytes=1, rejected=0, capacity_bytes=30)
+    assert core.counts()["disk_evictions"] == 1
     assert core(ev.ObjectGet("w", 5)) == Pending(5) and core.of(fx.RestoreEntry)
 
 
-def test_a_scan_keeps_checkpoints_that_exactly_fill_the_disk_and_deletes_the_next():
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_scan_over_a_smaller_disk_budget_keeps_the_most_recently_used_files_and_counts_every_deletion(policy):
+    # Files listed in name order (a hash: any order), each used at its own time: the newest that fit stay.
+    used_at = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 0.0]
+    records = tuple(done.SavedRecord("n", (i, i + 1), 10, True, 10, used_at=t) for i, t in enumerate(used_at))
+    core = tiered(disk_capacity_bytes=35, policy=policy)
+    result = core(done.Scanned(records, rejected=2))
+    newest = sorted(range(10), key=lambda i: used_at[i])[-3:]
+    kept = {core.state.entries[e].tokens for e in core.state.entries}
+    assert kept == {(i, i + 1) for i in newest}
+    deleted = {effect.key.tokens for effect in core.of(fx.DeleteFile)}
+    assert deleted == {(i, i + 1) for i in range(10)} - kept
+    assert core.counts()["disk_evictions"] == 7 and core.counts()["rejected_files"] == 2
+    assert result == ScanResult(kept=3, kept_bytes=30, deleted=7, deleted_bytes=70, rejected=2, capacity_bytes=35)
+
+
+def test_a_scan_deletes_a_file_larger_than_the_whole_disk_budget_and_counts_it():
+    core = tiered(disk_capacity_bytes=15)
+    result = core(done.Scanned((done.SavedRecord("n", (1, 2), 10, True, 10, used_at=1.0),
+                                done.SavedRecord("n", (3, 4), 20, True, 20, used_at=2.0))))
+    assert core.of(fx.DeleteFile) == [fx.DeleteFile(fx.DiskKey("n", (3, 4)))]
+    assert result.deleted == 1 and result.deleted_bytes == 20 and result.kept == 1
+    assert core.counts()["disk_evictions"] == 1
+
+
+def test_a_scan_keeps_the_newest_checkpoints_that_exactly_fill_the_disk_and_deletes_the_next():
     core = tiered(disk_capacity_bytes=60)
     metas = [fx.CheckpointMeta(f"n\x1f\x1fk{i}", "n", 2, 1, None, i, False) for i in range(3)]
-    core(done.Scanned(checkpoints=tuple(done.SavedCheckpoint(meta, 3, 30) for meta in metas)))
-    assert set(core.state.checkpoints) == {metas[0].key, metas[1].key} and core.state.disk.bytes == 60
-    assert core.effects == (fx.DeleteCheckpoint(metas[2].key),)
+    result = core(done.Scanned(checkpoints=tuple(done.SavedCheckpoint(meta, 3, 30, used_at=float(i))
+                                                 for i, meta in enumerate(metas))))
+    assert set(core.state.checkpoints) == {metas[1].key, metas[2].key} and core.state.disk.bytes == 60
+    assert core.effects == (fx.DeleteCheckpoint(metas[0].key),)
+    assert result.deleted == 1 and result.deleted_bytes == 30 and core.counts()["disk_evictions"] == 1
 
 
 def test_a_scan_that_found_nothing_rejected_nothing():
