@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from kvstate.core.admission import alone_bytes
 from kvstate.core.errors import ContextLimitExceeded, InvalidRequest, OverBudget, ServiceClosed
+from kvstate.core.replies import MaxTokensFit
 from kvstate.core.request import Request
-from kvstate.core.state import Phase, ServiceState
+from kvstate.core.state import Phase, ServiceConfig, ServiceState
 
 
 def size_text(nbytes: int) -> str:
@@ -15,6 +17,49 @@ def size_text(nbytes: int) -> str:
         nbytes /= 1024
         if nbytes < 1024 or unit == "TiB":
             return f"{nbytes:.3g} {unit}"
+
+
+def most_tokens_within(config: ServiceConfig, budget_bytes: int) -> int:
+    """The most positions (prompt + max_tokens) a request running alone may take within ``budget_bytes``."""
+    low, high = 0, 1
+    while alone_bytes(config, high) <= budget_bytes:
+        low, high = high, high * 2
+    while high - low > 1:  # alone_bytes grows with the tokens: the last that fits lies in [low, high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if alone_bytes(config, middle) <= budget_bytes else (low, middle)
+    return low
+
+
+def fit_max_tokens(config: ServiceConfig, prompt: int, max_tokens: int, requested: bool) -> MaxTokensFit:
+    """Whether a request of ``prompt`` tokens can ever run, and with what max_tokens.
+
+    A ``requested`` max_tokens (the client's own) stands, and a request whose prompt plus it passes the
+    model's context or the whole KV budget is refused. A default (the client sent none) never turns a
+    servable request into a refusal: it is lowered to what fits, and only a prompt that leaves no room
+    for one token is refused. Every refusal says which number came from where.
+    """
+    limit, budget = config.model.context_limit, config.kv_budget_bytes
+    most = None if budget is None else most_tokens_within(config, budget)
+    within_limit = f"{config.model.name}'s context limit of {limit} tokens"
+    within_budget = f"the whole KV budget of {size_text(budget or 0)} on its own"
+    if not requested:
+        room = max_tokens
+        if limit is not None:
+            room = min(room, limit - prompt)
+        if most is not None:
+            room = min(room, most - prompt)
+        if room >= 1:
+            return MaxTokensFit(room, None)
+        within = within_limit if limit is not None and prompt >= limit else within_budget
+        return MaxTokensFit(max_tokens, f"the prompt of {prompt} tokens leaves no room for one generated token "
+                                        f"within {within}; shorten the prompt")
+    asked = f"the prompt of {prompt} tokens + max_tokens {max_tokens} (the request's) = {prompt + max_tokens} tokens"
+    if limit is not None and prompt + max_tokens > limit:
+        return MaxTokensFit(max_tokens, f"{asked} is past {within_limit}; shorten the prompt or lower max_tokens")
+    if most is not None and prompt + max_tokens > most:
+        need = size_text(alone_bytes(config, prompt + max_tokens))
+        return MaxTokensFit(max_tokens, f"{asked} need {need} of KV, over {within_budget}; lower max_tokens")
+    return MaxTokensFit(max_tokens, None)
 
 
 def ensure_open(state: ServiceState, what: str) -> None:

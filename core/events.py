@@ -108,9 +108,14 @@ class Release(Event):
 
 @attrs.frozen
 class Boundary(Event):
-    """An execution boundary; ``pressure``: live memory is over what optional state may use."""
+    """An execution boundary. RAM entries are given back while ``pressure`` (the caller's own verdict:
+    live memory is over what optional state may use), while kept state holds more than ``max_bytes``
+    or ``max_entries`` RAM entries (None: no such limit), or, with ``ram_within_kv_budget`` in the
+    config, more than the KV budget leaves beside the running requests."""
 
     pressure: bool = False
+    max_bytes: int | None = None
+    max_entries: int | None = None
 
 
 @attrs.frozen
@@ -160,6 +165,35 @@ class ObjectPut(Event):
     nbytes: int
     #: The bytes the file saving this object would take (0 without a disk tier).
     file_bytes: int
+
+
+@attrs.frozen
+class FitMaxTokens(Event):
+    """Can a request of ``prompt_tokens`` ever run, and with what max_tokens? ``requested``: the
+    ``max_tokens`` is the client's own (it stands or is refused), else a default (lowered to what fits)."""
+
+    prompt_tokens: int
+    max_tokens: int
+    requested: bool
+
+
+@attrs.frozen
+class SharedWait(Event):
+    """Would waiting for the rows ``computing`` (requests in prefill, in ``namespace``) let ``prompt``
+    reuse at least ``min_gain`` more tokens than RAM serves it now? (:mod:`~kvstate.core.sharing`)"""
+
+    prompt: tuple[int, ...]
+    namespace: str
+    computing: tuple = ()
+    min_gain: int = 1
+
+
+@attrs.frozen
+class RamQuery(Event):
+    """What RAM holds now: its entries and bytes, and with ``each``, every entry's namespace, tokens
+    and bytes (a pass over every entry)."""
+
+    each: bool = False
 
 
 @attrs.frozen

@@ -10,17 +10,17 @@ evicted by the disk's policy in the order the files were last used, and counted.
 from __future__ import annotations
 
 from kvstate.core import events as ev
-from kvstate.core.checks import ensure_open
+from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
-from kvstate.core.replies import FlushResult, ScanResult
+from kvstate.core.replies import FlushResult, HeldEntry, RamHeld, ScanResult
 from kvstate.core.requests import publish
 from kvstate.core.report import report
 from kvstate.core.state import (
-    EMPTY, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
+    EMPTY, IN_RAM, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
 from kvstate.core.tiers import (
-    boundary as give_back_one, drop_ram, insert_disk, make_disk_room, start_spill, tick as clock_tick,
+    boundary as give_back_one, drop_ram, insert_disk, make_disk_room, over_limits, start_spill, tick as clock_tick,
 )
 from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
@@ -99,8 +99,12 @@ def synced(state: ServiceState, e: done.Synced) -> Step:
 
 
 def boundary(state: ServiceState, e: ev.Boundary) -> Step:
+    """One entry given back (or a wait for the spills giving entries back) while the caller's pressure
+    or the boundary's limits say kept state holds too much; nothing otherwise."""
+    max_bytes = None if e.max_bytes is None else non_negative_int(e.max_bytes, "a boundary's max_bytes")
+    max_entries = None if e.max_entries is None else non_negative_int(e.max_entries, "a boundary's max_entries")
     d = Draft(state)
-    out, reply = give_back_one(d, e.pressure)
+    out, reply = give_back_one(d, e.pressure or over_limits(state, max_bytes, max_entries))
     return Step(d.build(), tuple(out), reply)
 
 
@@ -110,6 +114,14 @@ def tick(state: ServiceState, e: ev.Tick) -> Step:
     d = Draft(state)
     out = clock_tick(d, e.now)
     return Step(d.build(), tuple(out), None)
+
+
+def ram_query(state: ServiceState, e: ev.RamQuery) -> Step:
+    each = ()
+    if e.each:
+        each = tuple(HeldEntry(entry.namespace, entry.tokens, entry.nbytes) for entry in state.entries.values()
+                     if entry.residence in IN_RAM and entry.namespace != OBJECTS)
+    return Step(state, (), RamHeld(len(state.ram.index), state.ram.bytes, each))
 
 
 def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:

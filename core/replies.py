@@ -99,6 +99,33 @@ class GaveBack:
 
 
 @attrs.frozen
+class MaxTokensFit:
+    """Whether a request can ever run: the max_tokens to run it with (a default lowered to what fits),
+    or ``refusal``, which says why not and which number came from where."""
+
+    max_tokens: int
+    refusal: str | None = None
+
+
+@attrs.frozen
+class HeldEntry:
+    """One prefix RAM holds: its namespace, the tokens it covers, its bytes."""
+
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    nbytes: int
+
+
+@attrs.frozen
+class RamHeld:
+    """``RamQuery``'s answer: RAM's entries and bytes (what its tier charges), and each entry where asked."""
+
+    entries: int
+    nbytes: int
+    each: tuple[HeldEntry, ...] = ()
+
+
+@attrs.frozen
 class ObjectFound:
     """``objects.get``: the object is in ``handle``, from RAM or disk."""
 

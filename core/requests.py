@@ -11,7 +11,7 @@ then keeps or drops the state once they settle.
 
 from __future__ import annotations
 
-from kvstate.core import admission, events as ev
+from kvstate.core import admission, checks, events as ev
 from kvstate.core.checkpoints import forget_checkpoint
 from kvstate.core.checks import (
     check_budget, check_context, check_sizes, ensure_open, keeps, non_negative_int,
@@ -49,6 +49,13 @@ def fits(state: ServiceState, e: ev.Fits):
         return Step(state, (), False)
     # A request over the whole budget on its own has no room beside any others either.
     return Step(state, (), admission.has_room(state, admission.charge_with(state, request)))
+
+
+def fit_max_tokens(state: ServiceState, e: ev.FitMaxTokens) -> Step:
+    prompt = non_negative_int(e.prompt_tokens, "a prompt's tokens")
+    if isinstance(e.max_tokens, bool) or not isinstance(e.max_tokens, int) or e.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be a positive int, got {e.max_tokens!r}")
+    return Step(state, (), checks.fit_max_tokens(state.config, prompt, e.max_tokens, bool(e.requested)))
 
 
 def batch_measured(state: ServiceState, e: ev.BatchMeasured):

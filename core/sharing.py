@@ -15,6 +15,9 @@ from typing import Iterable
 
 import attrs
 
+from kvstate.core import events as ev
+from kvstate.core.draft import Step
+from kvstate.core.state import ServiceState, check_namespace
 from kvstate.core.tokens import Tokens, common_prefix, packed
 
 
@@ -49,3 +52,11 @@ def shared_target(prompt: tuple[int, ...], reusable: int, computing: Iterable[Co
             elif boundary <= shared and boundary <= limit:  # served whole, or not at all
                 best = max(best, boundary)
     return best if best >= reusable + min_gain else 0
+
+
+def shared_wait(state: ServiceState, e: ev.SharedWait) -> Step:
+    """The tokens a wait for the rows in prefill would let the prompt reuse over what RAM serves it
+    now (0: not worth a wait)."""
+    namespace = check_namespace(e.namespace)
+    reusable = state.ram.index.longest(namespace, e.prompt)[0]
+    return Step(state, (), shared_target(e.prompt, reusable, e.computing, e.min_gain))

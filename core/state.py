@@ -141,6 +141,9 @@ class ServiceConfig:
     checkpoint_every_tokens: int | None = None
     identity: str = ""
     retention: Retention | None = None
+    #: Whether kept RAM state is held, at every boundary, to what the KV budget leaves beside the
+    #: running requests (their projection, or their measure where larger): one budget for both.
+    ram_within_kv_budget: bool = False
     #: Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps entries
     #: in order of last use (:mod:`~kvstate.core.idle`); worked out once, since every use asks.
     idle_rules: bool = attrs.field(init=False, eq=False, repr=False)

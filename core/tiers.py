@@ -12,6 +12,7 @@ from typing import Callable
 
 import attrs
 
+from kvstate.core.admission import held_bound
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
@@ -323,8 +324,23 @@ def give_back(d: Draft, entry: Entry, out: list) -> None:
     d.count("demotions")
 
 
+def over_limits(state: ServiceState | Draft, max_bytes: int | None, max_entries: int | None) -> bool:
+    """Whether kept state is over a boundary's limits: more than ``max_bytes`` held (those being given
+    back included), more than ``max_entries`` RAM entries, or, where the config says so, more than the
+    KV budget leaves beside the running requests."""
+    held = optional_bytes(state)
+    if max_bytes is not None and held > max_bytes:
+        return True
+    if max_entries is not None and len(state.ram.index) > max_entries:
+        return True
+    config = state.config
+    budget = config.kv_budget_bytes
+    return config.ram_within_kv_budget and budget is not None and held > budget - held_bound(state)
+
+
 def boundary(d: Draft, pressure: bool) -> tuple[list, object]:
-    """Under pressure give back one entry (the policy's victim); the facade repeats while pressure lasts.
+    """Under pressure give back one entry (the policy's victim); the facade repeats while the boundary
+    gives back or waits.
 
     An entry being given back holds its RAM until its spill lands, so while such spills are in flight
     the boundary waits for them (a ``Sync``) before it picks another victim: it gives back no more

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, requests, reuse, tiers
+from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, requests, reuse, sharing, tiers
 from kvstate.core.admission import own_bytes
 from kvstate.core.checks import ensure_open, keeps
 from kvstate.core.checkpoints import checkpoint_meta
@@ -63,6 +63,7 @@ def _prefetch(state: ServiceState, e: ev.Prefetch) -> Step:
 HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Admit: requests.admit,
     ev.Fits: requests.fits,
+    ev.FitMaxTokens: requests.fit_max_tokens,
     ev.BatchMeasured: requests.batch_measured,
     ev.PrefillMeasured: pace.prefill_measured,
     ev.Keeps: requests.keeps_query,
@@ -71,12 +72,14 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.CloseSession: requests.close_session,
     ev.Acquire: reuse.acquire,
     ev.PeekPrefixLen: reuse.peek,
+    ev.SharedWait: sharing.shared_wait,
     ev.Checkpoint: checkpoints.checkpoint,
     ev.Prefetch: _prefetch,
     ev.ObjectGet: objects.object_get,
     ev.ObjectPut: objects.object_put,
     ev.Boundary: lifecycle.boundary,
     ev.Tick: lifecycle.tick,
+    ev.RamQuery: lifecycle.ram_query,
     ev.ReportQuery: lifecycle.report_query,
     ev.Flush: lifecycle.flush,
     ev.Close: lifecycle.close,

@@ -12,7 +12,7 @@ projection, and the peaks are kept for ``/metrics``.
 
 Requests that arrive together and share a prefix nothing holds yet do not all
 compute it: while a row in prefill will publish state a waiting request could
-reuse (:func:`kvstate.core.sharing.shared_target`), that request waits for the
+reuse (the service's ``shared_wait``, :mod:`kvstate.core.sharing`), that request waits for the
 publish, at most ``share_wait_s`` seconds, and requests behind it that do not
 share the prefix go first.
 
@@ -37,7 +37,7 @@ import attrs
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
-from kvstate.core.sharing import Computing, shared_target
+from kvstate.core.sharing import Computing
 from kvstate.core.tokens import Tokens
 from kvstate.interpreters.model_names import requested_key
 from kvstate.interpreters.prompt_cache import KvStatePromptCache
@@ -135,10 +135,8 @@ class BatchAdmission:
         """Whether a row in prefill will soon publish enough of this prompt to be worth a wait."""
         if arrival.tokenized is None or not self._computing or self.share_wait_s <= 0:
             return False
-        prompt = arrival.prompt
-        reusable = self.service.peek_prefix_len(prompt, arrival.namespace)
         rows = [row for uid, row in self._computing.items() if self._namespaces.get(uid) == arrival.namespace]
-        if not shared_target(prompt, reusable, rows, self.min_shared_tokens):
+        if not rows or not self.service.shared_wait(arrival.prompt, arrival.namespace, rows, self.min_shared_tokens):
             return False
         now = time.monotonic()
         if arrival.share_deadline is None:

@@ -20,10 +20,8 @@ import time
 from collections import deque
 from typing import Any, Iterator
 
-from kvstate.core.admission import held_bound
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
-from kvstate.core.state import IN_RAM
 from kvstate.interpreters import mlx_caches
 from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 
@@ -62,14 +60,12 @@ class KvStatePromptCache:
         self._serving: str | None = None  # the namespace of the request served outside the batch now
         self._lock = threading.Lock()
         self._types: dict[tuple[str, tuple[int, ...]], str] = {}
-        self._limit: tuple[int | None, int | None] = (None, None)
         self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
         self._announced: dict[tuple[int, ...], deque[str | None]] = {}
         self._stats: tuple[float, dict] | None = None
         config = service.config
         # The clock reaches the service only where a rule reads it (idle writes, idle demotion).
         self._clocked = config.write_idle_after is not None or config.demote_idle_after is not None
-        self._started = time.monotonic()
 
     # ------------------------------------------------------------ admission's side
 
@@ -179,38 +175,22 @@ class KvStatePromptCache:
                      "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))
 
     def _tick(self) -> None:
-        """Read the clock into the service, on the generation thread (where a spill may copy arrays)."""
+        """Read the service's clock into it, on the generation thread (where a spill may copy arrays)."""
         if self._clocked:
-            self.service.tick(time.monotonic() - self._started)
+            self.service.tick()
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Give RAM entries back (spilled first with a disk tier) until at most ``n_sequences`` and
         ``n_bytes`` are held: what the running batch leaves of the server's prompt-cache budget."""
-        self._limit = (None if n_sequences is None else max(0, n_sequences),
-                       None if n_bytes is None else max(0, n_bytes))
-        try:
-            self.service.boundary()
-        finally:
-            self._limit = (None, None)
-
-    def over_limit(self, held_bytes: int) -> bool:
-        """The service's memory-pressure callback: whether RAM holds more than ``trim_to`` allows, or
-        more than the KV budget leaves beside the running requests (their projection, or their
-        measure where larger)."""
-        sequences, nbytes = self._limit
-        if nbytes is not None and held_bytes > nbytes:
-            return True
-        budget = self.service.config.kv_budget_bytes
-        if budget is not None and held_bytes > budget - held_bound(self.service.state):
-            return True
-        return sequences is not None and len(self) > sequences
+        self.service.boundary(max_entries=None if n_sequences is None else max(0, n_sequences),
+                              max_bytes=None if n_bytes is None else max(0, n_bytes))
 
     def __len__(self) -> int:
-        return len(self.service.state.ram.index)
+        return self.service.ram().entries
 
     @property
     def nbytes(self) -> int:
-        return self.service.state.ram.bytes
+        return self.service.ram().nbytes
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Entries and bytes in RAM by the cache type the server inserted them as.
@@ -228,13 +208,12 @@ class KvStatePromptCache:
     def _count_by_type(self) -> dict[str, dict[str, int]]:
         stats = {kind: {"n_sequences": 0, "n_bytes": 0} for kind in CACHE_TYPES}
         held = set()
-        for entry in self.service.state.entries.values():
-            if entry.residence in IN_RAM:
-                key = (entry.namespace, entry.tokens)
-                kind = self._types.get(key, "assistant")
-                stats[kind]["n_sequences"] += 1
-                stats[kind]["n_bytes"] += entry.nbytes
-                held.add(key)
+        for entry in self.service.ram(each=True).each:
+            key = (entry.namespace, entry.tokens)
+            kind = self._types.get(key, "assistant")
+            stats[kind]["n_sequences"] += 1
+            stats[kind]["n_bytes"] += entry.nbytes
+            held.add(key)
         with self._lock:
             for key in [k for k in self._types if k not in held]:
                 del self._types[key]

@@ -27,10 +27,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kvstate.core.admission import alone_bytes
 from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
-from kvstate.core.replies import ScanResult
+from kvstate.core.replies import MaxTokensFit, ScanResult
 from kvstate.interpreters.batch_admission import (
     CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
 )
@@ -185,59 +184,16 @@ def prompt_tokens(tokenizer: Any, request: Any) -> int:
     return len(tokenizer.encode(text))
 
 
-def most_tokens_within(config: Any, budget_bytes: int) -> int:
-    """The most positions (prompt + max_tokens) a request running alone may take within ``budget_bytes``."""
-    low, high = 0, 1
-    while alone_bytes(config, high) <= budget_bytes:
-        low, high = high, high * 2
-    while high - low > 1:  # alone_bytes grows with the tokens: the last that fits lies in [low, high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if alone_bytes(config, middle) <= budget_bytes else (low, middle)
-    return low
-
-
-def fitted_max_tokens(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: int, from_client: bool,
-                      budget_bytes: int | None) -> tuple[int, str | None]:
-    """The max_tokens to serve ``request`` with, and why it can never run (None: it can).
-
-    A client's own max_tokens stands, and a request whose prompt plus it passes the model's context
-    or the whole KV budget is refused. The server's default (``--max-tokens``, for a client that sent
-    none) never turns a servable request into a refusal: it is lowered to what fits, and only a prompt
-    that leaves no room for one token is refused. Every refusal says which number came from where.
-    """
-    spec = service.config.model
+def fitted_max_tokens(service: KvCacheService, tokenizer: Any, request: Any, max_tokens: int, from_client: bool
+                      ) -> MaxTokensFit:
+    """The max_tokens to serve ``request`` with, and why it can never run (the core's answer,
+    :func:`kvstate.core.checks.fit_max_tokens`): a client's own max_tokens stands or is refused, the
+    server's default (``--max-tokens``) is lowered to what fits."""
     try:
         prompt = prompt_tokens(tokenizer, request)
     except Exception:  # noqa: BLE001 - a prompt the template cannot render: the server's own answer stands
-        return max_tokens, None
-    limit = spec.context_limit
-    most = None if budget_bytes is None else most_tokens_within(service.config, budget_bytes)
-    asked = (f"max_tokens {max_tokens} (the request's)" if from_client
-             else f"max_tokens {max_tokens} (the server's default, --max-tokens)")
-    where_limit = f"the model's context limit of {limit} tokens (its config's max_position_embeddings)"
-    where_budget = f"the whole KV budget of {size_text(budget_bytes or 0)} (--kv-budget-bytes)"
-    if not from_client:
-        room = max_tokens
-        if limit is not None:
-            room = min(room, limit - prompt)
-        if most is not None:
-            room = min(room, most - prompt)
-        if room >= 1:
-            return room, None
-        if limit is not None and prompt >= limit:
-            return max_tokens, (f"the prompt of {prompt} tokens leaves no room for one generated token within "
-                                f"{where_limit}; shorten the prompt")
-        return max_tokens, (f"the prompt of {prompt} tokens leaves no room for one generated token within "
-                            f"{where_budget} on its own; shorten the prompt or raise the budget")
-    wanted = prompt + max_tokens
-    if limit is not None and wanted > limit:
-        return max_tokens, (f"the prompt of {prompt} tokens + {asked} = {wanted} tokens is past {where_limit}; "
-                            f"shorten the prompt or lower max_tokens")
-    if most is not None and wanted > most:
-        need = alone_bytes(service.config, wanted)
-        return max_tokens, (f"the prompt of {prompt} tokens + {asked} = {wanted} tokens need {size_text(need)} of "
-                            f"KV, over {where_budget} on its own; lower max_tokens")
-    return max_tokens, None
+        return MaxTokensFit(max_tokens, None)
+    return service.fit_max_tokens(prompt, max_tokens, requested=from_client)
 
 
 def scan_line(result: ScanResult) -> str:
@@ -252,8 +208,7 @@ def scan_line(result: ScanResult) -> str:
     return line + f"; {result.rejected} files rejected (moved aside)"
 
 
-def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int | None = None,
-                         admission: BatchAdmission | None = None) -> type:
+def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchAdmission | None = None) -> type:
     """mlx-lm's request handler with ``GET /metrics`` added, a request's ``cache_salt`` made its
     namespace, the server's default max_tokens lowered to what fits, and requests that can never run
     (or with a bad salt) refused with a 400 before they reach the generation thread; everything else
@@ -271,10 +226,10 @@ def handler_with_metrics(server: Any, service: KvCacheService, budget_bytes: int
             tokenizer = self.response_generator.model_provider.tokenizer
             if tokenizer is not None and isinstance(self.max_tokens, int):
                 from_client = self.body.get("max_completion_tokens") is not None or "max_tokens" in self.body
-                self.max_tokens, why = fitted_max_tokens(service, tokenizer, request, self.max_tokens, from_client,
-                                                         budget_bytes)
-                if why is not None:
-                    return self._refuse(why, "max_tokens" if from_client else None)
+                fit = fitted_max_tokens(service, tokenizer, request, self.max_tokens, from_client)
+                if fit.refusal is not None:
+                    return self._refuse(fit.refusal, "max_tokens" if from_client else None)
+                self.max_tokens = fit.max_tokens
             return super().handle_completion(request, stop_words)
 
         def _refuse(self, why: str, param: str | None) -> None:
@@ -355,10 +310,6 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
 
     model, tokenizer = model_provider.load("default_model", None, "default_model")
     config = load_config(Path(model_provider.cli_args.model))
-    cache: KvStatePromptCache | None = None
-
-    def pressure(held_bytes: int) -> bool:
-        return cache is not None and cache.over_limit(held_bytes)
     # Identity from the weight files, hashed once (an adapter on top changes the weights: hash those then).
     plain = model_provider.cli_args.adapter_path is None and any(Path(model_provider.cli_args.model).glob(
         "*.safetensors"))
@@ -366,11 +317,10 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
                           batch_padding_step=CACHE_STEP, disk_dir=options.disk_dir,
                           disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
                           config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
-                          pressure=pressure, weights_dir=model_provider.cli_args.model if plain else None,
+                          ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
                           write_idle_after=options.disk_write_idle,
                           write_bytes_per_hour=options.disk_write_bytes_per_hour)
-    cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
-    return cache
+    return KvStatePromptCache(service, model_provider.model_key, unannounced=None)
 
 
 def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
@@ -397,7 +347,7 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
-        handler = handler_with_metrics(server, cache.service, options.kv_budget_bytes, admission)
+        handler = handler_with_metrics(server, cache.service, admission)
         server._run_http_server(host, port, generator, handler_class=handler)
 
     def stop(signum, frame):

@@ -19,7 +19,9 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.errors import UnknownRequest
-from kvstate.core.replies import Admission, FlushResult, Kept, ObjectFound, ScanResult, Source
+from kvstate.core.replies import (
+    Admission, FlushResult, Kept, MaxTokensFit, ObjectFound, RamHeld, ScanResult, Source,
+)
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (
@@ -31,6 +33,8 @@ from kvstate.interpreters.base import CacheFacts, Interpreter
 from kvstate.models.spec import ModelSpec
 
 DEFAULT_NAMESPACE = "default"
+#: ``tick()``'s default: the time the interpreter's own clock reads.
+OWN_CLOCK = object()
 
 
 @attrs.frozen(eq=False)
@@ -187,6 +191,12 @@ class KvCacheService:
         timings, this decides whether a disk hit beats a recompute here (:mod:`kvstate.core.pace`)."""
         self._run(ev.PrefillMeasured(tokens, seconds))
 
+    def fit_max_tokens(self, prompt_tokens: int, max_tokens: int, requested: bool = True) -> MaxTokensFit:
+        """Whether a request of ``prompt_tokens`` can ever run here, and with what max_tokens: a
+        ``requested`` one (the client's) stands or is refused; a default is lowered to what fits the
+        context and the KV budget. ``refusal`` says why not, naming where each number came from."""
+        return self._run(ev.FitMaxTokens(prompt_tokens, max_tokens, requested))
+
     def fits(self, request: Request) -> bool:
         """Whether ``admit`` would admit ``request`` now; holds nothing."""
         return self._run(ev.Fits(request))
@@ -290,27 +300,31 @@ class KvCacheService:
         with self._lock:
             self._run(ev.Release(self._lease(request, create=False), completed))
 
-    def boundary(self) -> None:
-        """An execution boundary: collect finished writes, advance the clock, give back RAM under pressure."""
+    def boundary(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> None:
+        """An execution boundary: collect finished writes, advance the clock, and give RAM back while the
+        core finds kept state over its limits (``max_bytes``, ``max_entries`` RAM entries, the KV budget
+        where the config holds RAM to it) or the ``pressure`` callback says memory is over."""
         with self._lock:
             self.complete(self._interpreter.poll())
             self._run(ev.Tick(self._interpreter.now))
             waited_in_vain = False
-            while self._pressure is not None and self._pressure(self._held_bytes()):
-                gave = self._run(ev.Boundary(pressure=True))
+            while True:
+                pressed = self._pressure is not None and self._pressure(self._held_bytes())
+                gave = self._run(ev.Boundary(pressed, max_bytes, max_entries))
                 if gave.entries:
                     waited_in_vain = False
                     continue
                 if not gave.waited or waited_in_vain:
-                    break  # nothing left to give back, and waiting for the writes did not help
+                    break  # within the limits, or nothing left to give back and waiting did not help
                 waited_in_vain = True
 
     def _held_bytes(self) -> int:
         return optional_bytes(self._state)
 
-    def tick(self, now: float) -> None:
-        """The clock reads ``now`` seconds: entries idle past the demotion threshold move to disk."""
-        self._run(ev.Tick(now))
+    def tick(self, now: Any = OWN_CLOCK) -> None:
+        """The clock reads ``now`` seconds (by default the interpreter's own clock, the one ``boundary``
+        reads): entries idle past the demotion threshold move to disk."""
+        self._run(ev.Tick(self._interpreter.now if now is OWN_CLOCK else now))
 
     def prefetch(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> bool:
         """Start reading the saved prefix of ``prompt`` into RAM; True if a read started."""
@@ -319,6 +333,12 @@ class KvCacheService:
     def peek_prefix_len(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> int:
         """Prompt tokens RAM could serve now; takes nothing."""
         return self._run(ev.PeekPrefixLen(as_tokens(prompt), namespace))
+
+    def shared_wait(self, prompt: Iterable[int], namespace: str, computing: Iterable[Any], min_gain: int) -> int:
+        """The prompt tokens a wait for ``computing`` (``kvstate.core.sharing.Computing`` rows in
+        prefill, in ``namespace``) would let ``prompt`` reuse, where that beats what RAM serves now by
+        ``min_gain`` tokens; 0: not worth a wait."""
+        return self._run(ev.SharedWait(as_tokens(prompt), namespace, tuple(computing), min_gain))
 
     def close_session(self, session_id: str) -> None:
         """Drop a session's affinity; its state stays reusable."""
@@ -337,6 +357,10 @@ class KvCacheService:
         """``(namespace, tokens)`` of every prefix saved state holds, read from headers alone."""
         with self._lock:
             return self._interpreter.saved_prefixes()
+
+    def ram(self, each: bool = False) -> RamHeld:
+        """What RAM holds now: entries and bytes, and with ``each`` every entry (a pass over them all)."""
+        return self._run(ev.RamQuery(each))
 
     def report(self) -> Report:
         """The counters, as one frozen record."""

@@ -14,12 +14,9 @@ MODEL_KEY = ("tiny", None, None)
 
 def adapter(tmp_path=None, ram_bytes=64 << 20):
     model, config = build("llama", seed=81)
-    cache: list = []
     options = {} if tmp_path is None else {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20}
-    service = mlx_service(model, config=config, ram_bytes=ram_bytes,
-                          pressure=lambda held: bool(cache) and cache[0].over_limit(held), **options)
-    cache.append(KvStatePromptCache(service, MODEL_KEY))
-    return model, cache[0]
+    service = mlx_service(model, config=config, ram_bytes=ram_bytes, **options)
+    return model, KvStatePromptCache(service, MODEL_KEY)
 
 
 def computed(model, tokens):

@@ -55,3 +55,20 @@ def test_an_exact_state_as_long_as_the_prompt_serves_nothing():
     row = Computing((1, 2, 3, 4, 5, 6), (4,), 0, False)
     assert shared_target((1, 2, 3, 4), 0, [row], 1) == 0
     assert shared_target((1, 2, 3, 4), 0, [Computing(row.prompt, (4,), 0, True)], 1) == 3
+
+
+def test_the_service_answers_a_wait_over_what_its_ram_serves_in_the_requests_namespace_only():
+    from kvstate import KvCacheService, Request
+    from kvstate.core.tokens import Tokens
+    from kvstate.models import model_spec
+
+    service = KvCacheService.simulated(model_spec("llama-3.2-1b"), ram_bytes=1 << 30)
+    system = tuple(range(1, 101))
+    row = Computing(Tokens(system + (500, 501)), (100,), 10, True)  # publishes at 100, has computed 10
+    prompt = system + (900, 901)
+    assert service.shared_wait(prompt, "a", [row], 8) == 100
+    state = service.interpreter.prefill(service.acquire(request := Request(system, 1), "a").caches, system)
+    service.publish(request, "a", system, state)
+    service.release(request)
+    assert service.shared_wait(prompt, "a", [row], 8) == 0      # RAM serves it already: no reason to wait
+    assert service.shared_wait(prompt, "b", [row], 8) == 100    # another namespace's RAM serves it nothing

@@ -12,7 +12,7 @@ from kvstate.core import events as ev
 from kvstate.core.errors import CheckpointNotAllowed, InvalidRequest, OverBudget, RequestKeepsNoState, \
     TokensDoNotMatchCaches
 from kvstate.core.replies import Acquired, Admission, FlushResult, GaveBack, Kept, NotKept, NotKeptReason, ObjectFound, \
-    ObjectMissing, Pending, ScanResult, Source
+    ObjectMissing, Pending, ScanResult, Source, RamHeld, HeldEntry, MaxTokensFit
 from kvstate.core.request import Continuation, Request
 from kvstate.core.policies import POLICIES
 from kvstate.core.state import OBJECTS, Phase, Residence, ServiceConfig, initial_state
@@ -612,6 +612,61 @@ def test_a_boundary_without_pressure_gives_nothing_back():
     pressed = Core()                                  # pressure, nothing kept, no writes: nothing to wait for
     reply = pressed(ev.Boundary(pressure=True))
     assert reply == GaveBack(0, 0) and reply.waited is False and pressed.effects == ()
+
+
+def test_a_boundary_gives_back_while_ram_is_over_its_byte_or_entry_limit_and_stops_within_it():
+    core = Core()
+    first, second, third = (core.keep((i, i + 1, i + 2)).entry for i in (1, 10, 20))
+    assert core(ev.Boundary(max_bytes=25)) == GaveBack(1, 10)     # 30 held: one goes, the policy's victim
+    assert core.residence(first) is None
+    assert core(ev.Boundary(max_bytes=25)) == GaveBack(0, 0)      # 20 held: within, nothing more
+    assert core(ev.Boundary(max_entries=1)) == GaveBack(1, 10) and core.residence(second) is None
+    assert core(ev.Boundary(max_entries=1)) == GaveBack(0, 0) and core.residence(third) is R.RAM
+
+
+def test_ram_held_to_the_kv_budget_gives_back_what_the_running_requests_need():
+    budget = SPEC.bytes_for(20)
+    core = Core(ram_capacity_bytes=budget, kv_budget_bytes=budget, ram_within_kv_budget=True)
+    kept = core.keep(tuple(range(1, 11)), nbytes=SPEC.bytes_for(10)).entry
+    assert core(ev.Boundary()) == GaveBack(0, 0)                  # nothing running: kept state may use it all
+    core(ev.Admit(1, Request(tuple(range(100, 105)), 10)))        # 15 positions projected: 5 left for RAM
+    assert core(ev.Boundary()) == GaveBack(1, SPEC.bytes_for(10)) and core.residence(kept) is None
+    assert Core(ram_capacity_bytes=budget, kv_budget_bytes=budget)(ev.Boundary()) == GaveBack(0, 0)
+
+
+@pytest.mark.parametrize("limits", [{"max_bytes": -1}, {"max_entries": "2"}, {"max_bytes": True}])
+def test_a_boundary_limit_that_is_not_a_count_is_refused_and_changes_nothing(limits):
+    core = Core()
+    core.keep((1, 2, 3))
+    before = core.state
+    with pytest.raises(InvalidRequest, match="boundary"):
+        core(ev.Boundary(**limits))
+    assert core.state == before
+
+
+def test_ram_query_answers_entries_and_bytes_and_each_entry_where_asked():
+    core = tiered()
+    core.keep((1, 2, 3), namespace="a")
+    core.keep((7, 8), nbytes=5, namespace="b")
+    assert core(ev.RamQuery()) == RamHeld(2, 15)
+    assert set(core(ev.RamQuery(each=True)).each) == {HeldEntry("a", (1, 2, 3), 10), HeldEntry("b", (7, 8), 5)}
+
+
+def test_the_default_max_tokens_is_lowered_to_what_fits_and_a_requested_one_is_refused_saying_whose():
+    spec = attrs.evolve(SPEC, context_limit=100)
+    core = Core(model=spec)
+    assert core(ev.FitMaxTokens(60, 512, requested=False)) == MaxTokensFit(40)
+    assert core(ev.FitMaxTokens(60, 30, requested=False)) == MaxTokensFit(30)
+    assert core(ev.FitMaxTokens(60, 40, requested=True)) == MaxTokensFit(40)
+    refused = core(ev.FitMaxTokens(60, 41, requested=True))
+    assert refused.refusal.startswith("the prompt of 60 tokens + max_tokens 41 (the request's) = 101 tokens is past")
+    assert "context limit of 100" in refused.refusal
+    assert "leaves no room for one generated token" in core(ev.FitMaxTokens(100, 512, requested=False)).refusal
+    budgeted = Core(model=spec, kv_budget_bytes=spec.bytes_for(70))
+    assert budgeted(ev.FitMaxTokens(60, 512, requested=False)) == MaxTokensFit(10)
+    assert "KV budget of" in budgeted(ev.FitMaxTokens(60, 11, requested=True)).refusal
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        core(ev.FitMaxTokens(60, 0, requested=True))
 
 
 def test_pressure_gives_back_unprotected_entries_first_and_protected_ones_last():
