@@ -35,9 +35,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from kvstate.effects import DiskKey
-from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import DiskStore, StoreIdentity, read_into
-from kvstate.interpreters.host_memory import keep_freed_memory
+from kvstate.interpreters.mlx import caches as mlx_caches
+from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity, read_into
+from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 from kvstate.models import model_spec
 
 SPEC = model_spec("llama-3.1-8b")
@@ -175,7 +175,7 @@ def drop_page_cache(path: str) -> None:
 
 def saved_for_each_loader(tokens: int, directory: str) -> tuple[dict, DiskKey, str]:
     """One saved entry of ``tokens`` tokens, and a store reading it through each loader."""
-    from kvstate.interpreters.disk_store import LOADERS
+    from kvstate.interpreters.mlx.disk_store import LOADERS
 
     caches = caches_of(tokens)
     identity = StoreIdentity("bench", "none", f"loaders-{tokens}")
@@ -218,7 +218,7 @@ def main() -> None:
                              "page cache warm and dropped")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="first ask the C library to keep freed memory for reuse, as kvstate serve does "
-                             "(interpreters/host_memory.py)")
+                             "(interpreters/mlx/host_memory.py)")
     args = parser.parse_args()
     if args.keep_freed_memory:
         print(f"keep_freed_memory(): {keep_freed_memory()}")

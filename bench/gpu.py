@@ -50,7 +50,7 @@ CONFIGS = {
 
 
 def on_cuda() -> bool:
-    from kvstate.interpreters.device_memory import on_cuda
+    from kvstate.interpreters.mlx.device_memory import on_cuda
     return on_cuda()
 
 
@@ -100,7 +100,7 @@ def fingerprint_once() -> None:
     Every service built here is for the same model; hashing its weights again for each (seconds at
     8B) would only time the fingerprint, which ``bench/identity.py`` measures on its own.
     """
-    import kvstate.interpreters.mlx_interpreter as interpreter
+    import kvstate.interpreters.mlx.interpreter as interpreter
     original, known = interpreter.model_fingerprint, {}
 
     def once(model, config=None):
@@ -151,7 +151,7 @@ def prefill(model, caches, tokens, chunk: int = 4096) -> mx.array:
 def writer_phase(name: str, lengths: list[int], directory: str, repeat: int) -> dict:
     """This process: misses, RAM hits, spill bandwidth, decision overhead; leaves the disk state behind."""
     from kvstate import Request
-    from kvstate.interpreters import mlx_caches
+    from kvstate.interpreters.mlx import caches as mlx_caches
 
     model, config = build(name)
     progress(f"write {name}: model built")
@@ -261,7 +261,7 @@ def reader_phase(name: str, lengths: list[int], directory: str, repeat: int) -> 
             hits.append(elapsed)
             store = service.interpreter.store
             from kvstate.effects import DiskKey
-            from kvstate.interpreters import mlx_caches
+            from kvstate.interpreters.mlx import caches as mlx_caches
             start = time.perf_counter()
             caches = store.read_prefix(DiskKey("bench", prompt))
             mx.eval(mlx_caches.arrays_of(caches))

@@ -38,7 +38,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from kvstate.interpreters.device_memory import on_cuda
+from kvstate.interpreters.mlx.device_memory import on_cuda
 
 
 def h2d() -> None:
@@ -57,7 +57,7 @@ def h2d() -> None:
     def in_pieces(count=8):
         step = n // count
         return mx.concatenate([mx.array(host[i * step:(i + 1) * step]) for i in range(count)])
-    from kvstate.interpreters.device_memory import move_to_device
+    from kvstate.interpreters.mlx.device_memory import move_to_device
 
     def moved():
         x = mx.array(host)
@@ -116,7 +116,7 @@ def disk_hit() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
     from kvstate import Request
-    from kvstate.interpreters import mlx_caches
+    from kvstate.interpreters.mlx import caches as mlx_caches
 
     directory = tempfile.mkdtemp()
     gpu.writer_phase("8b", [4096], directory, 1)
@@ -148,8 +148,8 @@ def restore() -> None:
     buffer."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
-    from kvstate.interpreters import mlx_caches
-    from kvstate.interpreters.disk_store import DiskStore, read_into
+    from kvstate.interpreters.mlx import caches as mlx_caches
+    from kvstate.interpreters.mlx.disk_store import DiskStore, read_into
 
     directory = tempfile.mkdtemp()
     for tokens in (4096, 16384, 32768):
@@ -189,7 +189,7 @@ def copy_into_device_steps(host: np.ndarray) -> tuple[dict, Callable[[], None]]:
     allocations)."""
     import ctypes
 
-    from kvstate.interpreters import device_memory
+    from kvstate.interpreters.mlx import device_memory
 
     lib = ctypes.CDLL("libcuda.so.1")
     device_memory.move_to_device([mx.zeros((1,))])  # the driver's context, as restores use it
@@ -235,9 +235,9 @@ def restore_steps() -> None:
     """The served restore's steps, each timed on its own (second of two rounds; page cache warm)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
-    from kvstate.interpreters import mlx_caches
-    from kvstate.interpreters.device_memory import move_to_device
-    from kvstate.interpreters.disk_store import DiskStore, _bytes_of, _hash_all
+    from kvstate.interpreters.mlx import caches as mlx_caches
+    from kvstate.interpreters.mlx.device_memory import move_to_device
+    from kvstate.interpreters.mlx.disk_store import DiskStore, _bytes_of, _hash_all
 
     directory = tempfile.mkdtemp()
     for tokens in STEP_TOKENS:
@@ -313,7 +313,7 @@ def restore_reuse() -> None:
     before the read less after: what it reused rather than allocated)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
-    from kvstate.interpreters.device_memory import move_to_device
+    from kvstate.interpreters.mlx.device_memory import move_to_device
 
     directory = tempfile.mkdtemp()
     mx.eval(mx.sum(mx.zeros((1024,), dtype=mx.uint32)))  # kernels compiled before anything is timed
@@ -352,7 +352,7 @@ def restore_reuse() -> None:
 if __name__ == "__main__":
     import argparse
 
-    from kvstate.interpreters.host_memory import keep_freed_memory
+    from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
              "restore-reuse": restore_reuse}

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstate.interpreters.weights_identity import weights_fingerprint
+from kvstate.interpreters.mlx.weights_identity import weights_fingerprint
 
 CHUNK = 64 << 20
 

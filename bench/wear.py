@@ -35,7 +35,7 @@ from kvstate.core.replies import Acquired, Kept
 from kvstate.effects import effects as fx
 from kvstate.interpreters.lab.sweep import parse_capacity
 from kvstate.interpreters.lab.traces import read
-from kvstate.interpreters.replay import replay, replay_service
+from kvstate.interpreters.lab.replay import replay, replay_service
 from kvstate.interpreters.sizes import parse_bytes
 from kvstate.models.catalogue import model_spec
 

@@ -10,15 +10,8 @@ import attrs
 
 from kvstate.core.policies import POLICIES
 from kvstate.interpreters import sizes
+from kvstate.interpreters.sizes import size_argument
 from kvstate.models.catalogue import CATALOGUE
-
-
-def parse_bytes(text: str) -> int:
-    """A size argument: ``'384GiB'``, ``'2T'``, ``'500MB'`` or a plain number of bytes."""
-    try:
-        return sizes.parse_bytes(text)
-    except sizes.BadQuantity as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_int(text: str) -> int:
@@ -60,7 +53,7 @@ def _read_trace(args: argparse.Namespace, command: str):
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from kvstate.interpreters.replay import replay, replay_service
+    from kvstate.interpreters.lab.replay import replay, replay_service
     from kvstate.interpreters.simulator import CostModel
 
     trace = _read_trace(args, "replay")
@@ -166,10 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Mooncake or kvstate JSONL trace (default: the bundled conversation trace)")
     replay.add_argument("--model", default="llama-3.1-8b", choices=sorted(CATALOGUE),
                         help="model geometry for bytes (default llama-3.1-8b)")
-    replay.add_argument("--ram", type=parse_bytes, default=parse_bytes("384GiB"),
+    replay.add_argument("--ram", type=size_argument, default=size_argument("384GiB"),
                         help="RAM for kept prefixes (default 384GiB, about 3M tokens of llama-3.1-8b)")
-    replay.add_argument("--disk", type=parse_bytes, default=None, help="disk tier capacity (default: none)")
-    replay.add_argument("--budget", type=parse_bytes, default=None, help="KV budget for admitted requests")
+    replay.add_argument("--disk", type=size_argument, default=None, help="disk tier capacity (default: none)")
+    replay.add_argument("--budget", type=size_argument, default=None, help="KV budget for admitted requests")
     replay.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
     replay.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     replay.set_defaults(run=_replay)
@@ -190,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--granularity", choices=["block", "prefix"], default="block")
     simulate.add_argument("--model", default="llama-3.1-8b", choices=sorted(CATALOGUE),
                           help="geometry for bytes and the cost model (default llama-3.1-8b)")
-    simulate.add_argument("--disk", type=parse_bytes, default=None, help="a disk tier behind RAM, e.g. 2TB")
+    simulate.add_argument("--disk", type=size_argument, default=None, help="a disk tier behind RAM, e.g. 2TB")
     simulate.add_argument("--synthetic", choices=["chat", "agent", "rag"],
                           help="generate a workload instead of reading a trace")
     simulate.add_argument("--requests", type=positive_int, default=5000, help="requests to generate (default 5000)")
@@ -227,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # the rest is kvstate's serving flags and mlx_lm.server's own
-        from kvstate.interpreters.serve import main as serve
+        from kvstate.interpreters.serving.serve import main as serve
         return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

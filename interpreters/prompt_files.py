@@ -22,7 +22,7 @@ from typing import Iterable
 
 from kvstate.core.errors import KvStateError, UsageError
 from kvstate.core.request import Request, as_tokens
-from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 
 IDENTITY_KEY = "kvstate_identity"  # no dot: mlx-lm unflattens dotted metadata keys

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from kvstate.core.replies import Source
 from kvstate.core.request import Request
-from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.service import AcquiredState, KvCacheService
 
 

@@ -110,16 +110,26 @@ class KvCacheService:
         self.scan_result: ScanResult = self._run(interpreter.scan())
 
     @classmethod
-    def simulated(cls, model: str | ModelSpec = "llama-3.1-8b", **options: Any) -> "KvCacheService":
-        """A service on the simulator: see :func:`kvstate.interpreters.simulator.simulated_service`."""
-        from kvstate.interpreters.simulator import simulated_service
-        return simulated_service(model, **options)
+    def simulated(cls, model: str | ModelSpec = "llama-3.1-8b", *, pressure: Callable[[int], bool] | None = None,
+                  **options: Any) -> "KvCacheService":
+        """A service on the simulator, for a catalogue model or a ``ModelSpec``: the options are
+        :func:`kvstate.interpreters.simulator.simulated_parts`'."""
+        from kvstate.interpreters.simulator import simulated_parts  # the simulator never imports the port
+        config, interpreter = simulated_parts(model, **options)
+        return cls(config, interpreter, pressure=pressure)
 
     @classmethod
-    def for_mlx(cls, model: Any, **options: Any) -> "KvCacheService":
-        """A service on the MLX interpreter: see :func:`kvstate.interpreters.mlx_interpreter.mlx_service`."""
-        from kvstate.interpreters.mlx_interpreter import mlx_service
-        return mlx_service(model, **options)
+    def for_mlx(cls, model: Any, *, pressure: Callable[[int], bool] | None = None,
+                **options: Any) -> "KvCacheService":
+        """A service on the MLX interpreter for a loaded mlx-lm ``model``: the options are
+        :func:`kvstate.interpreters.mlx.interpreter.mlx_parts`'."""
+        from kvstate.interpreters.mlx.interpreter import mlx_parts  # the interpreter never imports the port
+        config, interpreter = mlx_parts(model, **options)
+        try:
+            return cls(config, interpreter, pressure=pressure)
+        except BaseException:
+            interpreter.close()  # a start that failed holds nothing: not the directory, not the root's lock
+            raise
 
     # ------------------------------------------------------------ plumbing
 

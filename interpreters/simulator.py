@@ -23,7 +23,6 @@ from kvstate.effects.completions import SavedCheckpoint, SavedRecord, Scanned
 from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
-from kvstate.interpreters.service import KvCacheService
 from kvstate.models.catalogue import model_spec
 from kvstate.models.spec import ModelSpec
 
@@ -401,11 +400,11 @@ class SimulatorInterpreter(HeldState):
         """Nothing to release: the simulated disk outlives the service on purpose (a restart reads it)."""
 
 
-def simulated_service(model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, kv_budget_bytes: int | None = None,
-                      disk_bytes: int | None = None, policy: str = "lru",
-                      pressure: Callable[[int], bool] | None = None, interpreter_options: dict | None = None,
-                      **options: Any) -> KvCacheService:
-    """A service on the simulator for a catalogue model (or a :class:`ModelSpec`).
+def simulated_parts(model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, kv_budget_bytes: int | None = None,
+                    disk_bytes: int | None = None, policy: str = "lru", interpreter_options: dict | None = None,
+                    **options: Any) -> tuple[ServiceConfig, "SimulatorInterpreter"]:
+    """The config and the simulator of a service for a catalogue model (or a :class:`ModelSpec`)
+    (``KvCacheService.simulated`` builds the service from them).
 
     ``ram_bytes`` bounds kept prefixes, ``kv_budget_bytes`` admitted requests,
     ``disk_bytes`` the simulated disk tier (None: none). Further ``options``
@@ -420,4 +419,4 @@ def simulated_service(model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int
     interpreter_options.setdefault("identity", identity)
     config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
                            disk_capacity_bytes=disk_bytes, policy=policy, **options)
-    return KvCacheService(config, SimulatorInterpreter(spec, **interpreter_options), pressure=pressure)
+    return config, SimulatorInterpreter(spec, **interpreter_options)

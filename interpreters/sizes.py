@@ -38,3 +38,14 @@ def parse_bytes(text: str) -> int:
     if scale is None:
         raise BadQuantity(f"not a size: {text!r} (try 64GiB, 2T, 500MB or a number of bytes)")
     return int(number * scale)
+
+
+def size_argument(text: str) -> int:
+    """A size on the command line (``'384GiB'``, ``'2T'``, ``'500MB'`` or bytes), as argparse's ``type``:
+    a bad one is the parser's own error, with what was wrong."""
+    import argparse
+
+    try:
+        return parse_bytes(text)
+    except BadQuantity as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

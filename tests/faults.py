@@ -22,7 +22,7 @@ import os
 import random
 from pathlib import Path
 
-from kvstate.interpreters import disk_store
+from kvstate.interpreters.mlx import disk_store
 
 READ_FAULTS = ("eio_on_read", "short_read", "flipped_bytes")
 WRITE_FAULTS = ("enospc_on_write", "eio_on_write", "eio_on_fsync")

@@ -143,8 +143,8 @@ def test_a_request_waiting_for_a_shared_prefix_lets_unrelated_ones_go_first():
     shares nothing with that row, so it is admitted at once instead of waiting out A's wait."""
     from types import SimpleNamespace
 
-    from kvstate.interpreters.batch_admission import BatchAdmission
-    from kvstate.interpreters.prompt_cache import KvStatePromptCache
+    from kvstate.interpreters.serving.batch_admission import BatchAdmission
+    from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 
     service = KvCacheService.simulated(SPEC, ram_bytes=BUDGET * 8, kv_budget_bytes=BUDGET * 8,
                                        batch_padding_step=STEP)

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from kvstate.interpreters.cli import parse_bytes
+from kvstate.interpreters.sizes import size_argument
 from kvstate.interpreters.lab.traces import BLOCK_TOKENS, TraceFormatError, TraceRequest, mooncake
-from kvstate.interpreters.replay import replay, replay_service
+from kvstate.interpreters.lab.replay import replay, replay_service
 from kvstate.interpreters.traces import bundled
 
 
@@ -25,8 +25,8 @@ def test_version_and_usage():
 
 
 def test_sizes():
-    assert parse_bytes("384GiB") == 384 << 30
-    assert parse_bytes("2T") == 2 << 40 and parse_bytes("500MB") == 500 * 10**6 and parse_bytes("17") == 17
+    assert size_argument("384GiB") == 384 << 30
+    assert size_argument("2T") == 2 << 40 and size_argument("500MB") == 500 * 10**6 and size_argument("17") == 17
 
 
 def test_malformed_trace_lines_name_the_line(tmp_path):

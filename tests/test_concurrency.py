@@ -22,8 +22,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from kvstate import KvCacheService, Request, model_spec
 from kvstate.core.state import Residence
 from kvstate.effects import DiskKey
-from kvstate.interpreters.disk_budget import RootBudget, directory_bytes
-from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+from kvstate.interpreters.mlx.disk_budget import RootBudget, directory_bytes
+from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
 from kvstate.models.mlx_adapter import spec_from_model
 from kvstate.models.reference import build
 
@@ -133,8 +133,8 @@ CHILD = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
     from kvstate.effects import DiskKey
-    from kvstate.interpreters.disk_budget import RootBudget
-    from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+    from kvstate.interpreters.mlx.disk_budget import RootBudget
+    from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
 
     root, budget_bytes, name, count = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     budget = RootBudget(root, budget_bytes)

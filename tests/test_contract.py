@@ -20,7 +20,7 @@ from kvstate.core.transitions import HANDLERS
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.interpreters.base import PERFORMERS, Interpreter
-from kvstate.interpreters.mlx_interpreter import MlxInterpreter
+from kvstate.interpreters.mlx.interpreter import MlxInterpreter
 from kvstate.interpreters.simulator import SimulatorInterpreter
 from kvstate.models.reference import build
 
@@ -56,17 +56,68 @@ def test_both_interpreters_are_what_the_facade_calls(kind):
     service.close()
 
 
-def imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+#: Where each package of the project lives (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"kvstate": "kvstate", "kvstate.core": "core", "kvstate.effects": "effects",
+                "kvstate.interpreters": "interpreters", "kvstate.models": "models"}
 
 
-def test_the_mlx_interpreter_never_imports_the_simulator():
-    for name in ("mlx_interpreter.py", "disk_store.py", "mlx_caches.py", "disk_budget.py", "base.py"):
-        assert not any("simulator" in module for module in imported_modules(ROOT / "interpreters" / name)), name
+def project_modules() -> dict[str, Path]:
+    """Every module of the installed project, by its dotted name."""
+    modules = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports anywhere in its text (a function's own
+    imports included: a lazy import is a dependency all the same). A module's parent packages, which
+    Python initialises first, are not counted: a package's ``__init__`` gathers its modules, it is not
+    one of their dependencies."""
+    modules = project_modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from package import module`` depends on the module; ``from module import name`` on the module
+                found = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                         for alias in node.names]
+            else:
+                continue
+            edges |= {module for module in found if module in modules and module != name}
+        graph[name] = edges
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, stack = set(), [start]
+    while stack:
+        for module in graph[stack.pop()]:
+            if module not in seen:
+                seen.add(module)
+                stack.append(module)
+    return seen
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circles anywhere, transitive and lazy imports included (a package importing its own
+    modules in ``__init__`` is not a circle: its modules import the package's parents, never it)."""
+    graph = import_graph()
+    circles = sorted(name for name in graph if name in reachable(graph, name))
+    assert not circles, f"modules that import themselves through others: {circles}"
+
+
+def test_the_mlx_interpreter_never_imports_the_simulator_nor_the_port():
+    graph = import_graph()
+    for name in [m for m in graph if m.startswith("kvstate.interpreters.mlx")] + ["kvstate.interpreters.base"]:
+        found = reachable(graph, name)
+        assert "kvstate.interpreters.simulator" not in found, name
+        assert "kvstate.interpreters.service" not in found, name
+    assert "kvstate.interpreters.service" not in reachable(graph, "kvstate.interpreters.simulator")

@@ -16,8 +16,8 @@ from mlx_lm.models.cache import KVCache
 
 from kvstate.core.state import ON_DISK
 from kvstate.effects import DiskKey, FailureReason
-from kvstate.interpreters.disk_budget import LIVE, ROOT_LOCK, RootBudget, directory_bytes
-from kvstate.interpreters.disk_store import DiskStore, StoreIdentity
+from kvstate.interpreters.mlx.disk_budget import LIVE, ROOT_LOCK, RootBudget, directory_bytes
+from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
 
 
 def save(store, count, start=0):

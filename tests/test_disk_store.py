@@ -14,9 +14,9 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 from kvstate import KvCacheService, Request, Source
 from kvstate.effects import DiskKey, FailureReason
-from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.device_memory import move_to_device
-from kvstate.interpreters.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.interpreters.mlx import caches as mlx_caches
+from kvstate.interpreters.mlx.device_memory import move_to_device
+from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, read_header
 from kvstate.models.reference import build
 
 IDENTITY = StoreIdentity("model-a", "tok-a", "cfg-a")
@@ -173,7 +173,7 @@ def test_mlx_reads_the_open_file_by_its_path_and_a_failed_read_there_is_an_io_er
     its own reader. A read that fails there (MLX's own error, struck where it reads by path) is an I/O
     error: tried once more from a fresh open, then reported; the file is neither moved aside nor
     forgotten, and restores once the reads work."""
-    from kvstate.interpreters import disk_store
+    from kvstate.interpreters.mlx import disk_store
 
     store, key, path = saved(tmp_path, loader="mlx")
     real_load, read = mx.load, []
@@ -275,7 +275,7 @@ def test_another_model_finds_nothing_of_the_first(tmp_path):
 
 
 def test_stores_under_one_root_share_its_budget(tmp_path):
-    from kvstate.interpreters.disk_budget import RootBudget, directory_bytes
+    from kvstate.interpreters.mlx.disk_budget import RootBudget, directory_bytes
 
     def save(store, count):
         for i in range(count):

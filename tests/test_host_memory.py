@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvstate.interpreters import host_memory
+from kvstate.interpreters.mlx import host_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -15,7 +15,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 #: the resident bytes gained, after calling keep_freed_memory() when asked.
 FREE_AND_MEASURE = """
 import ctypes, sys
-from kvstate.interpreters.host_memory import keep_freed_memory
+from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 count, size = int(sys.argv[2]), int(sys.argv[3]) << 20
 libc = ctypes.CDLL(None)

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstate import KvCacheService, KvStateError, Request
 from kvstate.models.reference import build
-from kvstate.interpreters.disk_store import LOADERS
+from kvstate.interpreters.mlx.disk_store import LOADERS
 from tests.faults import DiskFaults
 
 MODEL, CONFIG = build("llama", seed=81)

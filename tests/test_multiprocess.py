@@ -11,7 +11,7 @@ while the children run. Then:
   restarted service.
 
 And one model directory has one live service: a second, in this process or another, is refused
-with :class:`~kvstate.interpreters.disk_store.DirectoryInUse` until the first is closed or killed.
+with :class:`~kvstate.interpreters.mlx.disk_store.DirectoryInUse` until the first is closed or killed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from kvstate import KvCacheService
-from kvstate.interpreters.disk_budget import directory_bytes
+from kvstate.interpreters.mlx.disk_budget import directory_bytes
 from kvstate.models.reference import build
 
 DISK_BYTES = 96 << 10
@@ -130,7 +130,7 @@ HOLDER = textwrap.dedent("""
 def test_one_live_service_per_model_directory_a_second_is_refused_until_the_first_is_gone(tmp_path):
     import signal
 
-    from kvstate.interpreters.disk_store import DirectoryInUse
+    from kvstate.interpreters.mlx.disk_store import DirectoryInUse
 
     model, config = build("llama", seed=93)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstate.interpreters.mlx_interpreter import mlx_service
-from kvstate.interpreters.prompt_cache import KvStatePromptCache
+from kvstate import KvCacheService
+from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.models.reference import build
 
 MODEL_KEY = ("tiny", None, None)
@@ -15,7 +15,7 @@ MODEL_KEY = ("tiny", None, None)
 def adapter(tmp_path=None, ram_bytes=64 << 20):
     model, config = build("llama", seed=81)
     options = {} if tmp_path is None else {"disk_dir": str(tmp_path), "disk_bytes": 64 << 20}
-    service = mlx_service(model, config=config, ram_bytes=ram_bytes, **options)
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=ram_bytes, **options)
     return model, KvStatePromptCache(service, MODEL_KEY)
 
 
@@ -61,7 +61,7 @@ def test_trim_to_gives_ram_back_to_what_the_batch_leaves(tmp_path):
 def test_the_per_request_stats_pass_over_the_entries_at_most_once_a_second(monkeypatch):
     """The server logs ``stats_by_type`` before every request: a pass over every entry each time
     would grow with the cache, so it is redone at most once a second."""
-    from kvstate.interpreters import prompt_cache as module
+    from kvstate.interpreters.serving import prompt_cache as module
 
     model, cache = adapter()
     prompt = list(range(1, 41))

@@ -17,8 +17,8 @@ from kvstate import (
     KvCacheService, KvStateError, Request, SimObject, SimulatedCrash, Source, model_spec,
 )
 from kvstate.effects import DiskKey, FailureReason
-from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.interpreters.mlx import caches as mlx_caches
+from kvstate.interpreters.mlx.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from kvstate.models.reference import build
 
@@ -228,7 +228,7 @@ def test_garbage_at_every_port_call_is_a_named_error_and_changes_nothing(call):
 
 def replaced_while_read(monkeypatch, path, replace):
     """Run ``replace()`` the first time the store reads ``path``'s header, after the file is open."""
-    from kvstate.interpreters import disk_store
+    from kvstate.interpreters.mlx import disk_store
     original, done = disk_store.header_of, []
 
     def header_of(file, name):

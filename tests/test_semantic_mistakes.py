@@ -11,8 +11,8 @@ import pytest
 
 from kvstate import Continuation, KvCacheService, Request, Source, model_spec
 from kvstate.effects import FailureReason
-from kvstate.interpreters import disk_store
-from kvstate.interpreters.disk_store import DiskStore, RejectedFile, StoreIdentity
+from kvstate.interpreters.mlx import disk_store
+from kvstate.interpreters.mlx.disk_store import DiskStore, RejectedFile, StoreIdentity
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from kvstate.models.reference import build
 from tests.test_reliability import small_file

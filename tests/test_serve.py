@@ -23,7 +23,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the serving tests talk through the real openai client")
 
-from kvstate.interpreters import serve as serving  # noqa: E402
+from kvstate.interpreters.serving import serve as serving  # noqa: E402
 from kvstate.models.model_dir import save_model_dir  # noqa: E402
 from tests.test_weights_identity import fine_tune  # noqa: E402
 

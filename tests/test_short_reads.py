@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 
 from kvstate import KvCacheService, Request, Source
-from kvstate.interpreters import disk_store
-from kvstate.interpreters.disk_store import LOADERS, DiskStore
+from kvstate.interpreters.mlx import disk_store
+from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore
 from kvstate.models.reference import build
 
 PROMPT = tuple(range(1, 31))

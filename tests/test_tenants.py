@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.state import check_namespace
-from kvstate.interpreters.tenants import BadCacheSalt, salt_namespace
+from kvstate.interpreters.serving.tenants import BadCacheSalt, salt_namespace
 
 salts = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=256)
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvstate.interpreters import weights_identity
-from kvstate.interpreters.weights_identity import weights_fingerprint
+from kvstate.interpreters.mlx import weights_identity
+from kvstate.interpreters.mlx.weights_identity import weights_fingerprint
 from kvstate.models.model_dir import save_model_dir
 
 

@@ -2,7 +2,7 @@
 
 Block granularity keeps fixed 512-token blocks, as paged engines do, in the
 lab's block caches; a request's prompt accesses its blocks in order. Prefix
-granularity is ``kvstate replay``'s own replay (``interpreters/replay.py``):
+granularity is ``kvstate replay``'s own replay (``interpreters/lab/replay.py``):
 every request runs through the service itself, the core's transitions on the
 simulator, which keeps whole prefixes as the MLX interpreter does.
 
@@ -20,7 +20,7 @@ import time
 from kvstate.core.policies import POLICIES
 from kvstate.interpreters.lab.blocks import BLOCK_POLICIES, LRUBlocks, BeladyBlocks, next_uses
 from kvstate.interpreters.lab.traces import BLOCK_TOKENS, Trace
-from kvstate.interpreters.replay import Outcome, replay, replay_service
+from kvstate.interpreters.lab.replay import Outcome, replay, replay_service
 from kvstate.models.spec import ModelSpec
 
 #: The service's own policies: whatever the core registers (a new policy is one file and one line there).

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvstate.interpreters.lab.runs import block_bytes, run_blocks, run_prefixes
 from kvstate.interpreters.lab.traces import BLOCK_TOKENS, Trace
-from kvstate.interpreters.replay import Outcome
+from kvstate.interpreters.lab.replay import Outcome
 from kvstate.interpreters.simulator import CostModel
 from kvstate.interpreters.sizes import BYTE_UNITS, COUNT_LETTERS, BadQuantity, split_quantity
 from kvstate.models.spec import ModelSpec

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
-from kvstate.interpreters import mlx_caches
+from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 
 #: The cache types ``mlx_lm.server`` inserts, as ``LRUPromptCache`` orders them.
@@ -42,7 +42,7 @@ class KvStatePromptCache:
     service, spilling them first when it has a disk tier.
 
     The server's calls carry no request, so a request's namespace (its
-    tenant's: :mod:`kvstate.interpreters.tenants`) is announced beside them:
+    tenant's: :mod:`kvstate.interpreters.serving.tenants`) is announced beside them:
     :meth:`expect` before a batched fetch, :meth:`announce` before a batched
     insert, and :meth:`serving` around a request served outside the batch. A
     call nothing announced is ``unannounced``'s (the default ``namespace`` for a

@@ -3,7 +3,7 @@
 The server is ``mlx_lm.server`` itself: its flags, endpoints, continuous
 batching and tool calling are unchanged. kvstate replaces one piece, the
 prompt cache the server builds in ``run()``, with a
-:class:`~kvstate.interpreters.prompt_cache.KvStatePromptCache` over a service
+:class:`~kvstate.interpreters.serving.prompt_cache.KvStatePromptCache` over a service
 on the MLX interpreter, and adds ``GET /metrics`` (Prometheus text format) to
 the request handler. With ``--disk-dir`` kept state is spilled to disk and a
 restarted server serves earlier conversations' prefixes from it; identity is
@@ -30,14 +30,14 @@ from typing import Any, Callable, Sequence
 from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
 from kvstate.core.replies import MaxTokensFit, ScanResult
-from kvstate.interpreters.batch_admission import (
+from kvstate.interpreters.serving.batch_admission import (
     CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
 )
-from kvstate.interpreters.host_memory import keep_freed_memory
-from kvstate.interpreters.model_names import NAME_MAPS, alias_served_model
-from kvstate.interpreters.prompt_cache import KvStatePromptCache
+from kvstate.interpreters.mlx.host_memory import keep_freed_memory
+from kvstate.interpreters.serving.model_names import NAME_MAPS, alias_served_model
+from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
-from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
+from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
 
 #: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
 SUPPORTED_MLX_LM = ((0, 32),)
@@ -258,19 +258,19 @@ def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchA
 def kvstate_options() -> argparse.ArgumentParser:
     """kvstate's own flags of ``kvstate serve``; every other flag is mlx-lm's server's."""
     from kvstate.core.policies import POLICIES
-    from kvstate.interpreters.cli import parse_bytes
+    from kvstate.interpreters.sizes import size_argument
 
     parser = argparse.ArgumentParser(prog="kvstate serve", add_help=False,
                                      description="mlx-lm's server with kvstate as its prompt cache. Every flag "
                                                  "not listed here is mlx_lm.server's own (see below).")
     parser.add_argument("-h", "--help", action="store_true", help="show this help, then mlx_lm.server's")
-    parser.add_argument("--ram-bytes", type=parse_bytes, default=parse_bytes("8GiB"),
+    parser.add_argument("--ram-bytes", type=size_argument, default=size_argument("8GiB"),
                         help="RAM for kept prompt state (default 8GiB)")
-    parser.add_argument("--kv-budget-bytes", type=parse_bytes, default=None,
+    parser.add_argument("--kv-budget-bytes", type=size_argument, default=None,
                         help="memory for kept state and the running batch together: kept state is given back "
                              "(spilled first with a disk tier) while the batch needs it (default: none)")
     parser.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: none)")
-    parser.add_argument("--disk-bytes", type=parse_bytes, default=None,
+    parser.add_argument("--disk-bytes", type=size_argument, default=None,
                         help="byte budget of the disk tier, the bytes its files take (needed with --disk-dir)")
     parser.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
     parser.add_argument("--shared-prefix-wait", type=float, default=None, metavar="SECONDS",
@@ -281,7 +281,7 @@ def kvstate_options() -> argparse.ArgumentParser:
     parser.add_argument("--disk-write-idle", type=float, default=None, metavar="SECONDS",
                         help="write kept state to disk only once it has sat idle this long, so state a later "
                              "turn supersedes soon is never written (default: written when kept)")
-    parser.add_argument("--disk-write-bytes-per-hour", type=parse_bytes, default=None, metavar="SIZE",
+    parser.add_argument("--disk-write-bytes-per-hour", type=size_argument, default=None, metavar="SIZE",
                         help="cap what spills write to disk, for the SSD's wear (default: no cap)")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     return parser
@@ -306,20 +306,17 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
     """Load the default model and build the kvstate prompt cache for it."""
     from mlx_lm.utils import load_config
 
-    from kvstate.interpreters.mlx_interpreter import mlx_service
-
     model, tokenizer = model_provider.load("default_model", None, "default_model")
     config = load_config(Path(model_provider.cli_args.model))
     # Identity from the weight files, hashed once (an adapter on top changes the weights: hash those then).
     plain = model_provider.cli_args.adapter_path is None and any(Path(model_provider.cli_args.model).glob(
         "*.safetensors"))
-    service = mlx_service(model, ram_bytes=options.ram_bytes, kv_budget_bytes=options.kv_budget_bytes,
-                          batch_padding_step=CACHE_STEP, disk_dir=options.disk_dir,
-                          disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
-                          config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
-                          ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
-                          write_idle_after=options.disk_write_idle,
-                          write_bytes_per_hour=options.disk_write_bytes_per_hour)
+    service = KvCacheService.for_mlx(
+        model, ram_bytes=options.ram_bytes, kv_budget_bytes=options.kv_budget_bytes, batch_padding_step=CACHE_STEP,
+        disk_dir=options.disk_dir, disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
+        config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
+        ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
+        write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour)
     return KvStatePromptCache(service, model_provider.model_key, unannounced=None)
 
 

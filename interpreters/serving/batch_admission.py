@@ -17,7 +17,7 @@ publish, at most ``share_wait_s`` seconds, and requests behind it that do not
 share the prefix go first.
 
 Each request runs in its tenant's namespace (the handler sets it from the
-request's ``cache_salt``: :mod:`kvstate.interpreters.tenants`): its fetch, the
+request's ``cache_salt``: :mod:`kvstate.interpreters.serving.tenants`): its fetch, the
 inserts of its row and the rows it may wait for are all of that namespace.
 
 Two pieces of the server are subclassed, nothing else changes:
@@ -39,9 +39,9 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.sharing import Computing
 from kvstate.core.tokens import Tokens
-from kvstate.interpreters.model_names import requested_key
-from kvstate.interpreters.prompt_cache import KvStatePromptCache
-from kvstate.interpreters.tenants import NAMESPACE_ATTRIBUTE
+from kvstate.interpreters.serving.model_names import requested_key
+from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
+from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
 
 #: The step in tokens by which mlx-lm's batch caches grow (``BatchKVCache.step``).
 CACHE_STEP = 256

@@ -20,7 +20,7 @@ import os
 from stat import S_ISREG
 from pathlib import Path
 
-from kvstate.interpreters.disk_store import SUFFIX, private_directory
+from kvstate.interpreters.mlx.disk_store import SUFFIX, private_directory
 
 LIVE = ".live"
 ROOT_LOCK = ".budget.lock"

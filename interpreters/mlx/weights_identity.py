@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from kvstate.interpreters import content_hash
+from kvstate.interpreters.mlx import content_hash
 
 CHUNK = 8 << 20
 

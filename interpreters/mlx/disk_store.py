@@ -4,7 +4,7 @@ One file per saved prefix (or generation checkpoint), under
 ``<root>/<config fingerprint>/``. The safetensors metadata is the header:
 format version, identity (model fingerprint, tokenizer hash, config
 fingerprint), namespace, the token list, per layer the cache class and its
-scalars, and a content hash per tensor (xxh3-128: :mod:`~kvstate.interpreters.content_hash`).
+scalars, and a content hash per tensor (xxh3-128: :mod:`~kvstate.interpreters.mlx.content_hash`).
 Only live tokens are stored. Files of another format version (format 1 hashed with blake2b) are
 rejected and counted, as any foreign file is.
 
@@ -44,9 +44,9 @@ from kvstate.effects.completions import SavedCheckpoint, SavedRecord
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason
 from kvstate.effects.effects import CheckpointMeta, DiskKey
-from kvstate.interpreters import content_hash
-from kvstate.interpreters.device_memory import move_to_device, on_cuda
-from kvstate.interpreters.mlx_caches import codec_named, codec_of
+from kvstate.interpreters.mlx import content_hash
+from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
+from kvstate.interpreters.mlx.caches import codec_named, codec_of
 
 FORMAT_VERSION = "2"
 #: Rejected files kept for inspection in ``rejected/``, newest first; older ones are deleted.
@@ -406,7 +406,7 @@ class DiskStore:
             raise ValueError(f"loader must be one of {LOADERS} or None (chosen by device), got {loader!r}")
         self.loader = loader or default_loader()
         #: Whether a restore moves its arrays onto the CUDA device before handing them out
-        #: (:mod:`~kvstate.interpreters.device_memory`); by default, where the device is a CUDA GPU.
+        #: (:mod:`~kvstate.interpreters.mlx.device_memory`); by default, where the device is a CUDA GPU.
         self.to_device = on_cuda() if to_device is None else to_device
         self.write_file = write_file or write_durably  # the storage seam: tests put a full disk here
         self.rejected_keep = rejected_keep

@@ -4,7 +4,7 @@ RAM entries are lists of mlx-lm cache objects, one per layer, exactly as the
 model's ``make_cache()`` builds them; what ``acquire`` hands out is a copy
 that shares no array with what is kept, so it goes straight into
 ``generate_step`` / ``stream_generate`` / ``BatchGenerator``. Saved state goes
-through a :class:`~kvstate.interpreters.disk_store.DiskStore`; writes are
+through a :class:`~kvstate.interpreters.mlx.disk_store.DiskStore`; writes are
 encoded on the caller's thread and committed by a background writer
 (write-behind) whose completions the facade collects at ``boundary()`` and
 ``flush()``. Reads (restore, prefetch, resume) run on the caller's thread.
@@ -26,10 +26,9 @@ from kvstate.core.state import InvalidConfig, ServiceConfig
 from kvstate.effects.completions import Scanned
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
-from kvstate.interpreters import mlx_caches
-from kvstate.interpreters.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, WriteFailed
-from kvstate.interpreters.service import KvCacheService
-from kvstate.interpreters.weights_identity import weights_fingerprint
+from kvstate.interpreters.mlx import caches as mlx_caches
+from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, WriteFailed
+from kvstate.interpreters.mlx.weights_identity import weights_fingerprint
 from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
 from kvstate.models.spec import ModelSpec
 from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
@@ -283,29 +282,30 @@ class MlxInterpreter(HeldState):
         return finished + [done.Synced(e.pressure)]
 
 
-def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None, disk_dir: str | None = None,
-                disk_bytes: int | None = None, name: str = "model", config: dict | None = None, tokenizer: Any = None,
-                spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
-                policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
-                pressure: Callable[[int], bool] | None = None, weights_dir: str | None = None,
-                disk_loader: str | None = None, **options: Any) -> KvCacheService:
-    """A service on the MLX interpreter for a loaded mlx-lm ``model``.
+def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None, disk_dir: str | None = None,
+              disk_bytes: int | None = None, name: str = "model", config: dict | None = None, tokenizer: Any = None,
+              spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
+              policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
+              weights_dir: str | None = None, disk_loader: str | None = None,
+              **options: Any) -> tuple[ServiceConfig, "MlxInterpreter"]:
+    """The config and the MLX interpreter of a service for a loaded mlx-lm ``model``
+    (``KvCacheService.for_mlx`` builds the service from them).
 
     The geometry is read off the model (or given as ``spec``); the identity
     every saved file carries is the model fingerprint (weights and
     ``config``), the tokenizer hash and the geometry. ``disk_dir`` with
     ``disk_bytes`` enables the disk tier; ``verify`` checks content hashes
     on every restore. ``root_budget`` (a
-    :class:`~kvstate.interpreters.disk_budget.RootBudget` over ``disk_dir``)
+    :class:`~kvstate.interpreters.mlx.disk_budget.RootBudget` over ``disk_dir``)
     shares one byte budget among every store under that root: idle
     directories are evicted to fit when this service starts and closes.
     ``weights_dir``, the directory the model was loaded from (no adapter on
     top), gives the identity from its weight files, hashed once and
-    remembered (:mod:`~kvstate.interpreters.weights_identity`), instead of
+    remembered (:mod:`~kvstate.interpreters.mlx.weights_identity`), instead of
     hashing every loaded weight at every start. ``disk_loader`` says how
     restores read a file (``"buffer"``: into a reused host buffer, then copied;
     ``"mlx"``: MLX's own safetensors loader; None: by device, see
-    :func:`~kvstate.interpreters.disk_store.default_loader`).
+    :func:`~kvstate.interpreters.mlx.disk_store.default_loader`).
     """
     spec = spec or spec_from_model(model, name)
     fingerprint = weights_fingerprint(weights_dir) if weights_dir is not None else model_fingerprint(model, config)
@@ -328,9 +328,7 @@ def mlx_service(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = Non
                                        **options)
         if store is not None:
             store.claim_writer()
-        return KvCacheService(service_config, MlxInterpreter(model, store=store,
-                                                             background_writes=background_writes),
-                              pressure=pressure)
+        return service_config, MlxInterpreter(model, store=store, background_writes=background_writes)
     except BaseException:
         if store is not None:
             store.close()  # a start that failed holds nothing: not the directory, not the root's lock
