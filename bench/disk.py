@@ -36,7 +36,8 @@ from mlx_lm.models.cache import KVCache
 
 from kvstate.effects import DiskKey
 from kvstate.interpreters.mlx import caches as mlx_caches
-from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity, read_into
+from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
+from kvstate.interpreters.mlx.file_io import read_into
 from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 from kvstate.models import model_spec
 

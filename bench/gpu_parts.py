@@ -149,7 +149,8 @@ def restore() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters.mlx import caches as mlx_caches
-    from kvstate.interpreters.mlx.disk_store import DiskStore, read_into
+    from kvstate.interpreters.mlx.disk_store import DiskStore
+    from kvstate.interpreters.mlx.file_io import read_into
 
     directory = tempfile.mkdtemp()
     for tokens in (4096, 16384, 32768):
@@ -237,7 +238,8 @@ def restore_steps() -> None:
     import disk
     from kvstate.interpreters.mlx import caches as mlx_caches
     from kvstate.interpreters.mlx.device_memory import move_to_device
-    from kvstate.interpreters.mlx.disk_store import DiskStore, _bytes_of, _hash_all
+    from kvstate.interpreters.mlx.disk_store import DiskStore
+    from kvstate.interpreters.mlx.framing import bytes_of, hash_all
 
     directory = tempfile.mkdtemp()
     for tokens in STEP_TOKENS:
@@ -267,7 +269,7 @@ def restore_steps() -> None:
         steps = {
             "served restore": served,
             "1. MLX reads the file into its memory": mlx_read,
-            "2. hash every tensor": lambda: _hash_all(_bytes_of(list(held["arrays"].values()))),
+            "2. hash every tensor": lambda: hash_all(bytes_of(list(held["arrays"].values()))),
             "3. move to the device, first GPU use": to_device,
             "plain read into a reused buffer": lambda: disk.fastest_read(path, reused),
             "plain read into new memory": lambda: disk.read_parallel(path, np.empty(size, dtype=np.uint8)),

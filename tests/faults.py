@@ -2,7 +2,7 @@
 
 :class:`DiskFaults` stands between the store and the device through the store's two storage seams:
 its writes (``write_file``, the store's argument) and its reads of saved bytes
-(``disk_store.read_into``, which :meth:`DiskFaults.installed` patches). Each call draws, from its own
+(``file_io.read_into``, which :meth:`DiskFaults.installed` patches). Each call draws, from its own
 seeded generator, whether one of the enabled faults strikes:
 
 - on a read: ``eio_on_read`` (the read raises EIO), ``short_read`` (half the bytes come back),
@@ -22,7 +22,7 @@ import os
 import random
 from pathlib import Path
 
-from kvstate.interpreters.mlx import disk_store
+from kvstate.interpreters.mlx import file_io
 
 READ_FAULTS = ("eio_on_read", "short_read", "flipped_bytes")
 WRITE_FAULTS = ("enospc_on_write", "eio_on_write", "eio_on_fsync")
@@ -53,8 +53,8 @@ class DiskFaults:
     @contextlib.contextmanager
     def installed(self):
         """The store's reads go through these faults while the block runs."""
-        real, by_path = disk_store.read_into, disk_store.READ_BY_PATH
-        disk_store.READ_BY_PATH = False  # MLX's loader reads through the seam too, not by the file's path
+        real, by_path = file_io.read_into, file_io.READ_BY_PATH
+        file_io.READ_BY_PATH = False  # MLX's loader reads through the seam too, not by the file's path
 
         def read_into(file, view: memoryview) -> int:
             fault = self._strikes(READ_FAULTS)
@@ -68,19 +68,19 @@ class DiskFaults:
                 view[at] = view[at] ^ (1 << self.random.randrange(8))
             return count
 
-        disk_store.read_into = read_into
+        file_io.read_into = read_into
         try:
             yield self
         finally:
-            disk_store.read_into, disk_store.READ_BY_PATH = real, by_path
+            file_io.read_into, file_io.READ_BY_PATH = real, by_path
 
     # ------------------------------------------------------------ writes
 
     def write_file(self, path: Path, chunks: list) -> None:
-        """The store's ``write_file``: :func:`disk_store.write_durably` with write faults."""
+        """The store's ``write_file``: :func:`file_io.write_durably` with write faults."""
         fault = self._strikes(WRITE_FAULTS)
         if fault is None:
-            return disk_store.write_durably(path, chunks)
+            return file_io.write_durably(path, chunks)
         if fault == "enospc_on_write":
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:

@@ -16,7 +16,8 @@ from kvstate import KvCacheService, Request, Source
 from kvstate.effects import DiskKey, FailureReason
 from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.mlx.device_memory import move_to_device
-from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity
+from kvstate.interpreters.mlx.framing import read_header
 from kvstate.models.reference import build
 
 IDENTITY = StoreIdentity("model-a", "tok-a", "cfg-a")

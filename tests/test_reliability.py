@@ -18,7 +18,8 @@ from kvstate import (
 )
 from kvstate.effects import DiskKey, FailureReason
 from kvstate.interpreters.mlx import caches as mlx_caches
-from kvstate.interpreters.mlx.disk_store import DiskStore, RejectedFile, StoreIdentity, read_header
+from kvstate.interpreters.mlx.disk_store import DiskStore, RejectedFile, StoreIdentity
+from kvstate.interpreters.mlx.framing import read_header
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from kvstate.models.reference import build
 
@@ -228,15 +229,15 @@ def test_garbage_at_every_port_call_is_a_named_error_and_changes_nothing(call):
 
 def replaced_while_read(monkeypatch, path, replace):
     """Run ``replace()`` the first time the store reads ``path``'s header, after the file is open."""
-    from kvstate.interpreters.mlx import disk_store
-    original, done = disk_store.header_of, []
+    from kvstate.interpreters.mlx import framing
+    original, done = framing.header_of, []
 
     def header_of(file, name):
         if name == path.name and not done:
             done.append(True)
             replace()
         return original(file, name)
-    monkeypatch.setattr(disk_store, "header_of", header_of)
+    monkeypatch.setattr(framing, "header_of", header_of)
     return done
 
 

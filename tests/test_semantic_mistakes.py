@@ -11,7 +11,7 @@ import pytest
 
 from kvstate import Continuation, KvCacheService, Request, Source, model_spec
 from kvstate.effects import FailureReason
-from kvstate.interpreters.mlx import disk_store
+from kvstate.interpreters.mlx import disk_store, file_io
 from kvstate.interpreters.mlx.disk_store import DiskStore, RejectedFile, StoreIdentity
 from kvstate.interpreters.simulator import FaultPlan, SimDisk
 from kvstate.models.reference import build
@@ -49,7 +49,7 @@ def test_on_mlx_a_resume_uses_the_last_durable_checkpoint_after_a_later_write_fa
         writes.append(path.name)
         if len(writes) == 2:
             raise OSError(5, "Input/output error")
-        disk_store.write_durably(path, chunks)
+        file_io.write_durably(path, chunks)
     service = KvCacheService.for_mlx(model, config=config, ram_bytes=8 << 20, disk_dir=str(tmp_path),
                                      disk_bytes=64 << 20, checkpoint_every_tokens=1, write_behind=False,
                                      background_writes=False, write_file=second_write_fails)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from kvstate import KvCacheService, Request, Source
-from kvstate.interpreters.mlx import disk_store
+from kvstate.interpreters.mlx import disk_store, file_io
 from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore
 from kvstate.models.reference import build
 
@@ -25,7 +25,7 @@ def loader(request, monkeypatch):
     reads go through the storage seam these tests cut (not by the open file's path, which MLX reads
     on its own)."""
     monkeypatch.setattr(disk_store, "default_loader", lambda: request.param)
-    monkeypatch.setattr(disk_store, "READ_BY_PATH", False)
+    monkeypatch.setattr(file_io, "READ_BY_PATH", False)
     return request.param
 
 
@@ -79,13 +79,13 @@ def test_a_file_cut_while_restored_is_a_counted_fallback(tmp_path, monkeypatch, 
 def test_a_short_read_that_does_not_recur_restores_the_file(tmp_path, monkeypatch):
     """A read that comes back short once (a flaky device) is tried again; the valid file is kept."""
     service = saved_service(tmp_path, verify=True)
-    real = disk_store.read_into
+    real = file_io.read_into
     calls = []
 
     def short_once(file, view):
         calls.append(len(view))
         return real(file, view[:len(view) // 2] if len(calls) == 1 else view)
-    monkeypatch.setattr(disk_store, "read_into", short_once)
+    monkeypatch.setattr(file_io, "read_into", short_once)
     state = service.acquire(request := Request(PROMPT + (3,), 2), "n")
     assert (state.source, state.reused_tokens) == (Source.DISK, len(PROMPT))
     assert len(calls) > 1 and calls[1] == calls[0]  # the short first read, then the file read again from its start
@@ -102,14 +102,14 @@ def test_an_io_error_that_recurs_leaves_a_valid_file_in_place_for_the_next_reque
 
     service = saved_service(tmp_path, verify=True)
     directory = service.interpreter.store.directory
-    real, failures = disk_store.read_into, [2]
+    real, failures = file_io.read_into, [2]
 
     def failing(file, view):
         if failures[0]:
             failures[0] -= 1
             raise OSError(errno.EIO, "Input/output error")
         return real(file, view)
-    monkeypatch.setattr(disk_store, "read_into", failing)
+    monkeypatch.setattr(file_io, "read_into", failing)
     state = service.acquire(request := Request(PROMPT + (3,), 2), "n")
     assert (state.source, state.reused_tokens) == (Source.FRESH, 0)
     report = service.report()

@@ -20,7 +20,8 @@ import os
 from stat import S_ISREG
 from pathlib import Path
 
-from kvstate.interpreters.mlx.disk_store import SUFFIX, private_directory
+from kvstate.interpreters.mlx.disk_store import SUFFIX
+from kvstate.interpreters.mlx.file_io import private_directory
 
 LIVE = ".live"
 ROOT_LOCK = ".budget.lock"

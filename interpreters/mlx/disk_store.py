@@ -9,7 +9,8 @@ Only live tokens are stored. Files of another format version (format 1 hashed wi
 rejected and counted, as any foreign file is.
 
 Files are encoded on the caller's thread (the only mlx work) and committed by
-plain file I/O, so a background writer never touches mlx. Writes are atomic: a temp file in the same directory, fsync, rename, fsync of
+plain file I/O (:mod:`~kvstate.interpreters.mlx.file_io`; the safetensors framing is
+:mod:`~kvstate.interpreters.mlx.framing`), so a background writer never touches mlx. Writes are atomic: a temp file in the same directory, fsync, rename, fsync of
 the directory; a crash leaves either the old state or the new, never half a
 file under a real name (stale temp files are removed at scan). Reads check the
 header against the file's size and the store's identity, and (by default) every
@@ -20,17 +21,13 @@ from headers alone.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import os
 import struct
-import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from array import array
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -40,25 +37,28 @@ import mlx.core as mx
 import numpy as np
 
 from kvstate.core.errors import StorageError
-from kvstate.effects.completions import SavedCheckpoint, SavedRecord
 from kvstate.core.state import OBJECTS
-from kvstate.effects.completions import FailureReason
+from kvstate.effects.completions import FailureReason, SavedCheckpoint, SavedRecord
 from kvstate.effects.effects import CheckpointMeta, DiskKey
-from kvstate.interpreters.mlx import content_hash
-from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
+from kvstate.interpreters.mlx import file_io, framing
 from kvstate.interpreters.mlx.caches import codec_named, codec_of
+from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
+from kvstate.interpreters.mlx.file_io import (
+    LOADERS, ReadBuffers, RejectedFile, SeamReader, WriteFailed, default_loader, open_file_path, private_directory,
+    remove_quietly, writer_alive,
+)
+from kvstate.interpreters.mlx.framing import MX_DTYPE, SAFETENSORS_DTYPE
 
 FORMAT_VERSION = "2"
 #: Rejected files kept for inspection in ``rejected/``, newest first; older ones are deleted.
 REJECTED_KEEP = 16
 SUFFIX = ".safetensors"
-MAX_HEADER_BYTES = 64 << 20
-_SAFETENSORS_DTYPE = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
-                      mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
-                      mx.float32: "F32", mx.uint64: "U64", mx.int64: "I64"}
-_MX_DTYPE = {name: dtype for dtype, name in _SAFETENSORS_DTYPE.items()}
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4,
-                "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+#: The lock file a live service holds in its model directory (one writer per directory).
+WRITER = ".writer"
+
+
+class DirectoryInUse(StorageError):
+    """Another live service (in this process or another) already writes this model directory."""
 
 
 @attrs.frozen
@@ -73,283 +73,12 @@ class StoreIdentity:
         return json.dumps(attrs.asdict(self), sort_keys=True)
 
 
-class RejectedFile(StorageError):
-    """A saved file that cannot be restored; it was moved aside."""
-
-    def __init__(self, reason: FailureReason, message: str):
-        super().__init__(f"{reason.value}: {message}")
-        self.reason = reason
-
-
-#: The lock file a live service holds in its model directory (one writer per directory).
-WRITER = ".writer"
-
-
-class DirectoryInUse(StorageError):
-    """Another live service (in this process or another) already writes this model directory."""
-
-
-class WriteFailed(StorageError):
-    """A write that did not become durable (nothing under the real name changed)."""
-
-    def __init__(self, reason: FailureReason, message: str):
-        super().__init__(f"{reason.value}: {message}")
-        self.reason = reason
-
-
-_HASHERS: ThreadPoolExecutor | None = None
-
-
-_digest = content_hash.digest
-
-
-def _hash_all(buffers: list) -> list[str]:
-    """The content hash of each buffer, on a few threads (the hash lets go of the GIL on large buffers)."""
-    global _HASHERS
-    if len(buffers) < 2:
-        return [_digest(b) for b in buffers]
-    if _HASHERS is None:
-        _HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvstate-hash")
-    return list(_HASHERS.map(_digest, buffers))
-
-
-def _header_digest(metadata: dict[str, str], tensors: dict[str, Any]) -> str:
-    """The hash of the header (metadata and tensor table): a flipped byte in it that still parses is caught."""
-    table = {name: info for name, info in tensors.items() if name != "__metadata__"}
-    canonical = json.dumps({"metadata": metadata, "tensors": table}, sort_keys=True, separators=(",", ":"))
-    return _digest(canonical.encode())
-
-
-_PLACEHOLDER_DIGEST = "0" * content_hash.DIGEST_CHARS  # a header's size does not depend on its digests
-
-
-def _header(metadata: dict[str, str], described: dict[str, tuple[str, list[int]]], sizes: list[int],
-            hashes: dict[str, str] | None) -> bytes:
-    """The safetensors header (length, JSON, padding) of a file of these tensors; with ``hashes`` None,
-    one of the same size (digests are all one length), to measure a file before it is hashed."""
-    table: dict[str, Any] = {}
-    offset = 0
-    for (name, (dtype, shape)), size in zip(described.items(), sizes):
-        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    measuring = hashes is None
-    if measuring:
-        hashes = dict.fromkeys(described, _PLACEHOLDER_DIGEST)
-    metadata = {**metadata, "kvstate.hashes": json.dumps(hashes)}
-    digest = _PLACEHOLDER_DIGEST if measuring else _header_digest(metadata, table)
-    table["__metadata__"] = {**metadata, "kvstate.header_hash": digest}
-    encoded = json.dumps(table, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
-    return struct.pack("<Q", len(encoded)) + encoded
-
-
-def read_into(file: BinaryIO, view: memoryview) -> int:
-    """Read ``file`` into ``view`` until it is full or the file ends; the bytes read (fewer: a short read)."""
-    done = 0
-    while done < len(view):
-        count = file.readinto(view[done:])
-        if not count:
-            break
-        done += count
-    return done
-
-
-#: Whether MLX's loader may read a file by its open descriptor's own path (``/proc/self/fd/N`` names
-#: the very file that was opened, even once it is renamed or deleted). Linux only: elsewhere such
-#: paths share the descriptor's offset, or do not exist. The fault fixture turns it off, since faults
-#: below the file API reach MLX's reads only through :class:`SeamReader`.
-READ_BY_PATH = sys.platform.startswith("linux")
-
-
-def open_file_path(file: BinaryIO) -> str | None:
-    """A path that opens ``file`` itself again, for MLX's own reader; None where there is none."""
-    if not READ_BY_PATH:
-        return None
-    path = f"/proc/self/fd/{file.fileno()}"
-    return path if os.path.exists(path) else None
-
-
-class SeamReader(io.RawIOBase):
-    """The open file as MLX's safetensors loader reads it: every read goes through :func:`read_into`
-    (the storage seam the fault fixture patches), and the first that fails or comes back short is
-    kept as the :class:`RejectedFile` the restore raises (the loader only says that it failed)."""
-
-    def __init__(self, file: BinaryIO, name: str):
-        super().__init__()
-        self._file, self._name = file, name
-        self.failure: RejectedFile | None = None
-
-    def readinto(self, view) -> int:
-        try:
-            got = read_into(self._file, memoryview(view).cast("B"))
-        except (OSError, ValueError) as error:
-            self.failure = self.failure or RejectedFile(FailureReason.IO_ERROR, f"{self._name}: {error}")
-            raise
-        if got < len(view) and self.failure is None:
-            self.failure = RejectedFile(FailureReason.IO_ERROR, f"{self._name}: a read of {len(view)} bytes "
-                                                                f"got {got}")
-        return got
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._file.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-
-def _bytes_of(arrays: list[mx.array]) -> list[np.ndarray]:
-    """The bytes of each evaluated array, as numpy views of their memory (no copy), to hash; the byte
-    views are evaluated together (one at a time, their evaluation cost as much as hashing them)."""
-    flat = [a.reshape(-1) for a in arrays]
-    views = [f if f.dtype == mx.uint8 or f.size == 0 else mx.view(f, mx.uint8) for f in flat]
-    mx.eval(views)
-    return [np.asarray(v) if v.size else np.empty(0, dtype=np.uint8) for v in views]
-
-
-#: How restores read a file: into a host buffer the store reuses, then copied into MLX arrays
-#: (``"buffer"``), or by MLX's own safetensors loader straight into the arrays (``"mlx"``).
-LOADERS = ("buffer", "mlx")
-
-
-def default_loader() -> str:
-    """``"mlx"`` where MLX reads a file by its path (Linux) or the default device is a CUDA GPU, else
-    ``"buffer"``. Measured (bench/README.md): on this project's CPUs MLX's own reader, given the open
-    file's path, restores 64 and 512 MB entries 1.4-2.7x sooner than the reused buffer with the page
-    cache warm (from a cold one, 1.3x sooner at 512 MB, 8 % slower at 64 MB); through :class:`SeamReader` it lost on small entries and cold. On a
-    lent H100, by path and then moved to the device, it brought 0.54-4.30 GB entries to their first GPU
-    use 2.8-5.9x sooner than the buffer loader."""
-    return "mlx" if READ_BY_PATH or on_cuda() else "buffer"
-
-
-class ReadBuffers:
-    """Host buffers that restores read files into, reused: a fresh buffer per read pays the page faults
-    of memory never touched (as much again as the read, measured), and MLX copies the tensors out of
-    it anyway. One buffer is kept, up to ``keep_bytes``; a read while it is in use, or a larger one,
-    gets a buffer of its own."""
-
-    def __init__(self, keep_bytes: int = 1 << 30):
-        self.keep_bytes = keep_bytes
-        self._kept: np.ndarray | None = None
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def take(self, size: int):
-        if size > self.keep_bytes or not self._lock.acquire(blocking=False):
-            yield np.empty(size, dtype=np.uint8)
-            return
-        try:
-            if self._kept is None or len(self._kept) < size:
-                self._kept = np.empty(size, dtype=np.uint8)
-            yield self._kept[:size]
-        finally:
-            self._lock.release()
-
-
-def write_durably(path: Path, chunks: list) -> None:
-    """Write ``chunks`` to a new file at ``path`` and fsync it."""
-    # Owner-only: saved KV state reveals the prompts it was computed from.
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
-        for chunk in chunks:
-            out.write(memoryview(chunk))
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def private_directory(path: Path) -> None:
-    """Make ``path`` (and its missing parents) owner-only (0700): saved KV state reveals the prompts it
-    was computed from. A directory that already exists keeps its mode: an operator's choice stands."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            pass  # made meanwhile by another store
-
-
-def _remove(path: Path) -> None:
-    """Delete ``path`` if it is there; where it cannot be deleted (a read-only file system) it stays:
-    what the service no longer claims is never read, so a leftover file costs only its bytes."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
-def _writer_alive(temp_name: str) -> bool:
-    """Whether the process that names itself in a temp file (``.NAME.tmp-PID-THREAD``) is still running."""
-    try:
-        pid = int(temp_name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
-        if pid <= 0:
-            return False
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
-
-
 def _name(kind: str, *parts: bytes) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for part in parts:
         digest.update(part)
         digest.update(b"\x00")
     return f"{kind}-{digest.hexdigest()}{SUFFIX}"
-
-
-def read_header(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """``(metadata, tensors)`` of a safetensors file, checked against its size; :class:`RejectedFile` if bad."""
-    try:
-        with open(path, "rb") as file:
-            return header_of(file, path.name)
-    except FileNotFoundError:
-        raise RejectedFile(FailureReason.MISSING, f"{path.name}: not there") from None
-
-
-def header_of(file: BinaryIO, name: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """``(metadata, tensors)`` of the open safetensors ``file`` (``name`` for messages), from its start.
-
-    Size and header come from the one open file, so a file replaced under its
-    name meanwhile is never read half old, half new. No allocation is sized
-    from an unchecked field: the header length is bounded by the file size and
-    ``MAX_HEADER_BYTES`` before it is read.
-    """
-    try:
-        size = os.fstat(file.fileno()).st_size
-        file.seek(0)
-        head = file.read(8)
-        if len(head) < 8:
-            raise RejectedFile(FailureReason.CORRUPT, f"{name}: shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise RejectedFile(FailureReason.CORRUPT, f"{name}: header length {length} past the file")
-        header = json.loads(file.read(length))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise RejectedFile(FailureReason.CORRUPT, f"{name}: header is not JSON ({error})") from None
-    except OSError as error:
-        raise RejectedFile(FailureReason.IO_ERROR, f"{name}: {error}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
-        raise RejectedFile(FailureReason.CORRUPT, f"{name}: no metadata")
-    metadata = header.pop("__metadata__")
-    end = 0
-    for tensor, info in header.items():
-        try:
-            start, stop = info["data_offsets"]
-            count = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
-            if not (0 <= start <= stop) or stop - start != count * _DTYPE_BYTES[info["dtype"]]:
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise RejectedFile(FailureReason.CORRUPT, f"{name}: tensor {tensor!r} is described wrongly") from None
-        end = max(end, stop)
-    if 8 + length + end != size:
-        raise RejectedFile(FailureReason.CORRUPT, f"{name}: {size} bytes, header describes {8 + length + end}")
-    return metadata, header
 
 
 @attrs.frozen(eq=False)
@@ -408,7 +137,7 @@ class DiskStore:
         #: Whether a restore moves its arrays onto the CUDA device before handing them out
         #: (:mod:`~kvstate.interpreters.mlx.device_memory`); by default, where the device is a CUDA GPU.
         self.to_device = on_cuda() if to_device is None else to_device
-        self.write_file = write_file or write_durably  # the storage seam: tests put a full disk here
+        self.write_file = write_file or file_io.write_durably  # the storage seam: tests put a full disk here
         self.rejected_keep = rejected_keep
         self.root = Path(root)
         self.identity = identity
@@ -519,18 +248,18 @@ class DiskStore:
     def _file_bytes(self, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
                     caches: list) -> int:
         metadata, tensors = self._layout(kind, namespace, tokens, extra, caches)
-        described = {name: (_SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
+        described = {name: (SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
         sizes = [a.nbytes for a in tensors.values()]
-        return len(_header(metadata, described, sizes, None)) + sum(sizes)
+        return len(framing.header_bytes(metadata, described, sizes, None)) + sum(sizes)
 
     def _encode(self, path: Path, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
                 caches: list) -> "EncodedFile":
         metadata, tensors = self._layout(kind, namespace, tokens, extra, caches)
         views = {name: mx.view(mx.contiguous(a), mx.uint8) for name, a in tensors.items()}
         mx.eval(list(views.values()))  # the only mlx work; copying to the host and hashing happen at commit
-        described = {name: (_SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
+        described = {name: (SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
         sizes = [v.nbytes for v in views.values()]
-        file_bytes = len(_header(metadata, described, sizes, None)) + sum(sizes)
+        file_bytes = len(framing.header_bytes(metadata, described, sizes, None)) + sum(sizes)
         return EncodedFile(path, metadata, described, views, file_bytes)
 
     def commit(self, file: "EncodedFile") -> None:
@@ -540,8 +269,8 @@ class DiskStore:
         """
         temp = file.path.with_name(f".{file.path.stem}.tmp-{os.getpid()}-{threading.get_ident()}{SUFFIX}")
         buffers = [np.asarray(view).reshape(-1) for view in file.views.values()]  # device to host, if it must
-        hashes = dict(zip(file.views, _hash_all(buffers)))
-        head = _header(file.metadata, file.described, [raw.nbytes for raw in buffers], hashes)
+        hashes = dict(zip(file.views, framing.hash_all(buffers)))
+        head = framing.header_bytes(file.metadata, file.described, [raw.nbytes for raw in buffers], hashes)
         if len(head) + sum(raw.nbytes for raw in buffers) != file.file_bytes:
             raise WriteFailed(FailureReason.IO_ERROR, f"{file.path.name}: encoded to another size than measured "
                                                       f"({file.file_bytes} bytes); its caches changed meanwhile")
@@ -554,16 +283,16 @@ class DiskStore:
             finally:
                 os.close(directory)
         except OSError as error:
-            _remove(temp)
+            remove_quietly(temp)
             no_space = error.errno in (errno.ENOSPC, errno.EDQUOT)
             raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
                               f"{file.path.name}: {error}") from None
 
     def delete_prefix(self, key: DiskKey) -> None:
-        _remove(self.prefix_path(key))
+        remove_quietly(self.prefix_path(key))
 
     def delete_checkpoint(self, key: str) -> None:
-        _remove(self.checkpoint_path(key))
+        remove_quietly(self.checkpoint_path(key))
 
     # ------------------------------------------------------------ reads
 
@@ -596,10 +325,10 @@ class DiskStore:
         return True
 
     def _describe(self, path: Path, file: BinaryIO) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
-        metadata, tensors = header_of(file, path.name)
+        metadata, tensors = framing.header_of(file, path.name)
         recorded = metadata.get("kvstate.header_hash")
         rest = {k: v for k, v in metadata.items() if k != "kvstate.header_hash"}
-        if recorded is None or recorded != _header_digest(rest, tensors):
+        if recorded is None or recorded != framing.header_digest(rest, tensors):
             raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: the header fails its hash (or has none)")
         if metadata.get("kvstate.format") != FORMAT_VERSION:
             raise RejectedFile(FailureReason.IDENTITY_MISMATCH,
@@ -658,7 +387,7 @@ class DiskStore:
         with self._reads.take(size) as data:
             try:
                 file.seek(0)
-                got = read_into(file, memoryview(data))
+                got = file_io.read_into(file, memoryview(data))
             except (OSError, ValueError) as error:
                 raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
             if got != size:
@@ -700,12 +429,12 @@ class DiskStore:
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: its tensors are not the ones its header "
                                                           f"names")
             for name in names:
-                dtype = _MX_DTYPE.get(tensors[name]["dtype"])
+                dtype = MX_DTYPE.get(tensors[name]["dtype"])
                 if dtype is None or arrays[name].dtype != dtype:
                     raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} has dtype "
                                                               f"{tensors[name]['dtype']}")
             if self.verify:
-                self._verify(path, metadata, dict(zip(names, _bytes_of([arrays[name] for name in names]))))
+                self._verify(path, metadata, dict(zip(names, framing.bytes_of([arrays[name] for name in names]))))
             return self._caches(path, metadata, arrays)
         except RejectedFile:
             raise
@@ -715,7 +444,7 @@ class DiskStore:
     def _verify(self, path: Path, metadata: dict[str, str], buffers: dict[str, Any]) -> None:
         """Every tensor's bytes against the hash its header records."""
         hashes = json.loads(metadata["kvstate.hashes"])
-        for name, digest in zip(buffers, _hash_all(list(buffers.values()))):
+        for name, digest in zip(buffers, framing.hash_all(list(buffers.values()))):
             if digest != hashes.get(name):
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} fails its hash")
 
@@ -744,7 +473,7 @@ class DiskStore:
         arrays = {}
         for name, raw in slices.items():
             info = tensors[name]
-            dtype = _MX_DTYPE.get(info["dtype"])
+            dtype = MX_DTYPE.get(info["dtype"])
             if dtype is None:
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: tensor {name!r} has dtype "
                                                           f"{info['dtype']}")
@@ -829,8 +558,8 @@ class DiskStore:
             if not path.is_file():
                 continue
             if path.name.startswith(".") and ".tmp-" in path.name:
-                if not _writer_alive(path.name):
-                    _remove(path)  # an interrupted write: never claimed
+                if not writer_alive(path.name):
+                    remove_quietly(path)  # an interrupted write: never claimed
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
