@@ -121,9 +121,8 @@ def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
                   and len(e.tokens) == meta.prompt_tokens + meta.generated_tokens
                   and e.tokens[:len(request.prompt)] == request.prompt
                   and meta.key == lease.checkpoint_key)
-    if not consistent:
-        return resume_failed(state, done.ResumeFailed(meta.key, e.handle, done.FailureReason.INCONSISTENT),
-                             drop_handle=True)
+    if not consistent:  # the file says other than its name: rejected, and the acquire goes on without it
+        return _resume_rejected(state, meta.key, e.handle, drop_handle=True)
     d = Draft(state)
     d.count("resumes")
     reply = finish_acquire(d, waiting.lease, e.handle, len(request.prompt), Source.CHECKPOINT, None,
@@ -131,11 +130,17 @@ def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
     return Step(d.build(), (), reply)
 
 
-def resume_failed(state: ServiceState, e: done.ResumeFailed, drop_handle: bool = False) -> Step:
-    out: list = [fx.DropPublished(e.handle)] if drop_handle else []
-    waiting = state.acquiring.get(e.handle)
+def resume_failed(state: ServiceState, e: done.ResumeFailed) -> Step:
+    return _resume_rejected(state, e.key, e.handle, drop_handle=False)
+
+
+def _resume_rejected(state: ServiceState, key: str, handle: int, drop_handle: bool) -> Step:
+    """A checkpoint that could not be resumed is forgotten (its file deleted) and counted; the acquire
+    that waited on it plans again without it (``drop_handle``: its caches were read and are let go)."""
+    out: list = [fx.DropPublished(handle)] if drop_handle else []
+    waiting = state.acquiring.get(handle)
     lease_id = waiting.lease if waiting is not None else None
-    key = state.leases[lease_id].checkpoint_key if lease_id is not None else e.key
+    key = state.leases[lease_id].checkpoint_key if lease_id is not None else key
     d = Draft(state)
     if key in d.checkpoints:
         out.append(fx.DeleteCheckpoint(key))
@@ -143,6 +148,6 @@ def resume_failed(state: ServiceState, e: done.ResumeFailed, drop_handle: bool =
     d.count("rejected_files")
     if lease_id is None:
         return Step(d.build(), tuple(out), None)
-    d.acquiring = without(d.acquiring, e.handle)
-    reply = plan_acquire(d, lease_id, e.handle, out)
+    d.acquiring = without(d.acquiring, handle)
+    reply = plan_acquire(d, lease_id, handle, out)
     return Step(d.build(), tuple(out), reply)

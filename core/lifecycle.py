@@ -14,7 +14,7 @@ from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.replies import FlushResult, HeldEntry, RamHeld, ScanResult
-from kvstate.core.requests import publish
+from kvstate.core.requests import decide_publish
 from kvstate.core.report import report
 from kvstate.core.state import (
     EMPTY, IN_RAM, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
@@ -94,7 +94,7 @@ def synced(state: ServiceState, e: done.Synced) -> Step:
     if state.deferred is not None:
         d = Draft(state)
         d.deferred = None
-        return publish(d.build(), state.deferred, may_wait=False)
+        return decide_publish(d.build(), state.deferred, may_wait=False)
     return Step(state, (), flush_result(state))
 
 

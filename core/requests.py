@@ -70,8 +70,14 @@ def keeps_query(state: ServiceState, e: ev.Keeps):
     return Step(state, (), keeps(state, request_check(e.request)))
 
 
-def publish(state: ServiceState, e: ev.Publish, may_wait: bool = True):
+def publish(state: ServiceState, e: ev.Publish):
     """Keep published state, or drop it; with RAM full of entries pinned by writes in flight, wait."""
+    return decide_publish(state, e, may_wait=True)
+
+
+def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
+    """The publish decision: keep or drop, or (``may_wait``, with writes in flight pinning RAM full) wait
+    for the writes to settle; a publish that waited is decided again once they have, without waiting."""
     ensure_open(state, "publish")
     request = request_check(e.request)
     namespace = check_namespace(e.namespace)

@@ -223,8 +223,9 @@ class SimulatorInterpreter(HeldState):
     def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
         return self.files.file_bytes(self._handles[handle].nbytes, len(tokens))
 
-    def stage_object(self, handle: int, obj: object) -> int:
+    def stage_object(self, handle: int, value: object) -> int:
         """Hold a tensor object under ``handle``; its bytes."""
+        obj = value
         if not isinstance(obj, SimObject) or not isinstance(obj.nbytes, int) or obj.nbytes < 0:
             raise InvalidRequest(f"the simulator keeps SimObject values, got {type(obj).__name__}")
         self._handles[handle] = obj

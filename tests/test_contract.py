@@ -40,8 +40,28 @@ def test_every_effect_has_a_performer_in_every_interpreter():
         assert missing == [], f"{interpreter.__name__} lacks {missing}"
 
 
+def parameters(function) -> list[tuple[str, object, object]]:
+    """A callable's parameters as names, kinds and defaults (annotations are strings, compared apart)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+@pytest.mark.parametrize("interpreter", [SimulatorInterpreter, MlxInterpreter], ids=["simulator", "mlx"])
+def test_every_performer_takes_its_effect_alone_and_every_protocol_method_has_the_protocols_signature(interpreter):
+    for method in set(PERFORMERS.values()):
+        assert [name for name, _, _ in parameters(getattr(interpreter, method))] == ["self", "e"], method
+    for name, member in inspect.getmembers(Interpreter):
+        if name.startswith("_") or not inspect.isfunction(member):
+            continue
+        own, wanted = parameters(getattr(interpreter, name)), parameters(member)
+        assert own[:len(wanted)] == wanted, f"{interpreter.__name__}.{name}"   # the protocol's, in its order
+        assert all(default is not inspect.Parameter.empty for _, _, default in own[len(wanted):]), \
+            f"{interpreter.__name__}.{name} asks more than the protocol gives"
+
+
 def test_every_event_and_completion_has_a_handler():
     assert subclasses(ev, ev.Event) | subclasses(done, done.Completion) == set(HANDLERS)
+    for event, handler in HANDLERS.items():
+        assert len(inspect.signature(handler).parameters) == 2, handler  # (state, event): one handler shape
 
 
 @pytest.mark.parametrize("kind", ["simulator", "mlx"])

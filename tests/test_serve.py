@@ -122,7 +122,13 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_the_installed_mlx_lm_server_is_one_kvstate_embeds():
-    assert serving.check_server_internals() is not None
+    from importlib import metadata
+
+    from mlx_lm import server
+
+    assert serving.check_server_internals() is server
+    release = tuple(int(part) for part in metadata.version("mlx-lm").split(".")[:2])
+    assert release in serving.SUPPORTED_MLX_LM
 
 
 def test_a_moved_server_internal_is_refused_by_name(monkeypatch):

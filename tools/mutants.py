@@ -13,7 +13,7 @@ the tool reports them apart and names any survivor that has no explanation.
     python tools/mutants.py --rerun mutants.json      # only the survivors of an earlier run
     python tools/mutants.py --only core/state.py:224  # the mutants of one line (or one site)
     python tools/mutants.py --all --shard 1/2         # every other site, to split a run across machines
-    python tools/mutants.py --rerun mutants.json --tests tests/test_transitions.py  # triage on one file
+    python tools/mutants.py --rerun mutants.json --tests tests/test_core_tiers.py  # triage on one file
     python tools/mutants.py --sample 40 --seed 7 --hypothesis-seed 1  # kills that depend on the search's seed
 """
 
@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: search finds is a kill that depends on luck, and wants an ``@example``.
 HYPOTHESIS_SEED = [0]
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
-TESTS = ["tests/test_transitions.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_tokens.py", "tests/test_errors.py",
-         "tests/test_lifecycle.py", "tests/test_sharing.py", "tests/test_batch_admission.py",
+TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/test_core_objects.py",
+         "tests/test_core_checkpoints.py", "tests/test_core_lifecycle.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_tokens.py", "tests/test_errors.py",
+         "tests/test_entry_lifecycle.py", "tests/test_sharing.py", "tests/test_padded_batch_admission.py",
          "tests/test_objects_and_pressure.py", "tests/test_semantic_mistakes.py", "tests/test_contract.py",
          "tests/test_core_and_lab_policies.py", "tests/test_against_libcachesim.py",
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",

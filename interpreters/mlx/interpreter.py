@@ -129,9 +129,9 @@ class MlxInterpreter(HeldState):
             return 0
         return self.store.checkpoint_file_bytes(meta, tokens, self._handles[handle])
 
-    def stage_object(self, handle: int, arrays: object) -> int:
-        """Hold a tensor object (a dict of arrays) under ``handle``; its bytes."""
-        payload = [mlx_caches.TensorObject(arrays)]
+    def stage_object(self, handle: int, value: object) -> int:
+        """Hold a tensor object (``value``, a dict of arrays) under ``handle``; its bytes."""
+        payload = [mlx_caches.TensorObject(value)]
         self._handles[handle] = payload
         return mlx_caches.live_bytes(payload)
 
