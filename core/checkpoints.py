@@ -49,12 +49,12 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
             f"{e.generated_tokens} generated tokens, and the caches must cover them (they cover {e.covered})")
     check_sizes(e.nbytes, e.file_bytes)
     d = Draft(state)
-    out: list = []
     # The new file sits beside the old until it replaces it.
-    if d.writes.bytes + e.nbytes > d.config.write_queue_bytes or not make_disk_room(d, e.file_bytes, out):
+    if d.writes.bytes + e.nbytes > d.config.write_queue_bytes or not make_disk_room(d, e.file_bytes):
         d = Draft(state)
         d.count("dropped_writes")
-        return Step(d.build(), (fx.DropPublished(e.handle),), False)
+        d.out.append(fx.DropPublished(e.handle))
+        return d.step(False)
     key = lease.checkpoint_key
     record = state.checkpoints.get(key) or CheckpointRecord(lease.namespace)
     d.checkpoints = d.checkpoints.set(key, attrs.evolve(
@@ -63,8 +63,8 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
     d.writes_add(1, e.nbytes)
     d.disk.bytes += e.file_bytes
     meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token)
-    out.append(fx.WriteCheckpoint(e.handle, meta, e.tokens, e.nbytes, e.file_bytes))
-    return Step(d.build(), tuple(out), True)
+    d.out.append(fx.WriteCheckpoint(e.handle, meta, e.tokens, e.nbytes, e.file_bytes))
+    return d.step(True)
 
 
 def _settled(d: Draft, key: str, written: tuple[int, int] | None) -> None:
@@ -101,14 +101,14 @@ def checkpoint_written(state: ServiceState, e: done.CheckpointWritten) -> Step:
     _settled(d, e.key, (e.tokens, e.file_bytes))
     d.count("checkpoints_written")
     d.count("bytes_written", e.file_bytes)
-    return Step(d.build(), (), None)
+    return d.step(None)
 
 
 def checkpoint_failed(state: ServiceState, e: done.CheckpointFailed) -> Step:
     d = Draft(state)
     _settled(d, e.key, None)
     d.count("failed_writes")
-    return Step(d.build(), (), None)
+    return d.step(None)
 
 
 def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
@@ -127,7 +127,7 @@ def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
     d.count("resumes")
     reply = finish_acquire(d, waiting.lease, e.handle, len(request.prompt), Source.CHECKPOINT, None,
                            resumed=meta, resumed_tokens=e.tokens)
-    return Step(d.build(), (), reply)
+    return d.step(reply)
 
 
 def resume_failed(state: ServiceState, e: done.ResumeFailed) -> Step:
@@ -137,17 +137,18 @@ def resume_failed(state: ServiceState, e: done.ResumeFailed) -> Step:
 def _resume_rejected(state: ServiceState, key: str, handle: int, drop_handle: bool) -> Step:
     """A checkpoint that could not be resumed is forgotten (its file deleted) and counted; the acquire
     that waited on it plans again without it (``drop_handle``: its caches were read and are let go)."""
-    out: list = [fx.DropPublished(handle)] if drop_handle else []
     waiting = state.acquiring.get(handle)
     lease_id = waiting.lease if waiting is not None else None
     key = state.leases[lease_id].checkpoint_key if lease_id is not None else key
     d = Draft(state)
+    if drop_handle:
+        d.out.append(fx.DropPublished(handle))
     if key in d.checkpoints:
-        out.append(fx.DeleteCheckpoint(key))
+        d.out.append(fx.DeleteCheckpoint(key))
         forget_checkpoint(d, key)
     d.count("rejected_files")
     if lease_id is None:
-        return Step(d.build(), tuple(out), None)
+        return d.step(None)
     d.acquiring = without(d.acquiring, handle)
-    reply = plan_acquire(d, lease_id, handle, out)
-    return Step(d.build(), tuple(out), reply)
+    reply = plan_acquire(d, lease_id, handle)
+    return d.step(reply)

@@ -2,9 +2,11 @@
 
 A handler copies the state into a :class:`Draft`, rebinds its fields (the maps
 and indexes in it are persistent values, so nothing the caller holds changes),
-and calls :meth:`Draft.build` once at the end. The draft never leaves the
-transition: a handler that raises simply drops it, and the caller's state is as
-it was. Counter increments add up in a dict and are applied in the build.
+appends the effects it decides to ``out``, and calls :meth:`Draft.build` once
+at the end. The draft never leaves the transition: a handler that raises simply
+drops it, and the caller's state is as it was. Counter increments add up in a
+dict and are applied in the build. An attempt that may fail (making room)
+:meth:`~Draft.mark`\ s the whole draft, effects included, and rolls back to it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class TierDraft:
 
 class Draft:
     """A :class:`ServiceState` being built by one transition: the state's fields, rebound in place,
-    and ``counts``, the counter increments of this transition. The fields are copied in and out
-    as one dict (``ServiceState`` keeps them in its instance dict), not one attribute at a time."""
+    ``counts``, the counter increments of this transition, and ``out``, the effects it decided so far.
+    The fields are copied in and out as one dict (``ServiceState`` keeps them in its instance dict),
+    not one attribute at a time."""
 
     # The state's fields, as the draft holds them (the values live in the instance dict).
     config: Any
@@ -68,14 +71,21 @@ class Draft:
     close_result: Any
     deferred: Any
     counts: dict[str, int]
+    out: list
 
     def __init__(self, state: ServiceState):
         fields = state.__dict__.copy()
-        fields["ram"], fields["disk"], fields["counts"] = TierDraft(state.ram), TierDraft(state.disk), {}
+        fields["ram"], fields["disk"] = TierDraft(state.ram), TierDraft(state.disk)
+        fields["counts"], fields["out"] = {}, []
         self.__dict__ = fields
+
+    def step(self, reply: Any = None) -> Step:
+        """The transition's outcome: the state built, the effects decided, ``reply``."""
+        return Step(self.build(), tuple(self.out), reply)
 
     def build(self) -> ServiceState:
         fields = self.__dict__.copy()
+        del fields["out"]
         counts = fields.pop("counts")
         if counts:
             fields["counters"] = self.counters.plus(counts)
@@ -85,15 +95,17 @@ class Draft:
         return state
 
     def mark(self) -> tuple:
-        """What an attempt that may fail (making room) can change, to :meth:`rollback` to."""
-        ram, disk = self.ram, self.disk
-        return (self.entries, ram.index, ram.bytes, ram.policy, disk.index, disk.bytes, disk.policy,
-                self.idle, dict(self.counts))
+        """The whole draft as it is now (every field, both tiers, the counts and the effects so far), for
+        an attempt that may fail (making room) to :meth:`rollback` to."""
+        return (self.__dict__.copy(), dict(self.counts), len(self.out),
+                _tier_fields(self.ram), _tier_fields(self.disk))
 
     def rollback(self, mark: tuple) -> None:
-        ram, disk = self.ram, self.disk
-        (self.entries, ram.index, ram.bytes, ram.policy, disk.index, disk.bytes, disk.policy,
-         self.idle, self.counts) = mark
+        fields, counts, effects, ram, disk = mark
+        self.__dict__ = fields.copy()
+        self.counts = counts.copy()
+        del self.out[effects:]
+        (self.ram.index, self.ram.bytes, self.ram.policy), (self.disk.index, self.disk.bytes, self.disk.policy) = ram, disk
 
     # ------------------------------------------------------------ small edits every concern makes
 
@@ -115,6 +127,10 @@ class Draft:
 
     def lease_set(self, lease_id: int, lease: Any) -> None:
         self.leases = self.leases.set(lease_id, lease)
+
+
+def _tier_fields(tier: TierDraft) -> tuple:
+    return tier.index, tier.bytes, tier.policy
 
 
 def without(mapping: Any, key: Any) -> Any:

@@ -36,13 +36,13 @@ def flush_result(state: ServiceState | Draft) -> FlushResult:
     return FlushResult(durable, state.writes.count, state.writes.bytes, ram_only)
 
 
-def _spill_all(d: Draft, out: list) -> None:
+def _spill_all(d: Draft) -> None:
     """Write every RAM-only entry that fits beside what is saved. A flush never trades a durable file
     for another: that would undo what an earlier flush reported durable, and wear the disk for nothing."""
     for entry in list(d.entries.values()):
         current = d.entries.get(entry.id)
         if current is not None and current.residence is R.RAM:
-            start_spill(d, current, out, bounded=False, evict=False)
+            start_spill(d, current, bounded=False, evict=False)
 
 
 def flush(state: ServiceState, e: ev.Flush) -> Step:
@@ -50,10 +50,9 @@ def flush(state: ServiceState, e: ev.Flush) -> Step:
     if not state.config.has_disk:
         return Step(state, (), flush_result(state))
     d = Draft(state)
-    out: list = []
-    _spill_all(d, out)
-    out.append(fx.Sync())
-    return Step(d.build(), tuple(out), None)
+    _spill_all(d)
+    d.out.append(fx.Sync())
+    return d.step(None)
 
 
 def close(state: ServiceState, e: ev.Close) -> Step:
@@ -65,23 +64,21 @@ def close(state: ServiceState, e: ev.Close) -> Step:
     d.phase = Phase.CLOSING
     if not state.config.has_disk:
         return _clear(d)
-    out: list = []
-    _spill_all(d, out)
-    out.append(fx.Sync())
-    return Step(d.build(), tuple(out), None)
+    _spill_all(d)
+    d.out.append(fx.Sync())
+    return d.step(None)
 
 
 def _clear(d: Draft) -> Step:
     """The end of close(): the flush's verdict stands; RAM copies and leases go, saved state stays."""
     result = flush_result(d)
-    out: list = []
     for entry in list(d.entries.values()):
         current = d.entries[entry.id]
         if current.residence in (R.RAM, R.BOTH):
-            drop_ram(d, current, out)
+            drop_ram(d, current)
     d.leases, d.projected_bytes, d.measured_bytes, d.sessions = EMPTY, 0, 0, EMPTY
     d.phase, d.close_result, d.deferred = Phase.CLOSED, result, None
-    return Step(d.build(), tuple(out), result)
+    return d.step(result)
 
 
 def synced(state: ServiceState, e: done.Synced) -> Step:
@@ -104,16 +101,16 @@ def boundary(state: ServiceState, e: ev.Boundary) -> Step:
     max_bytes = None if e.max_bytes is None else non_negative_int(e.max_bytes, "a boundary's max_bytes")
     max_entries = None if e.max_entries is None else non_negative_int(e.max_entries, "a boundary's max_entries")
     d = Draft(state)
-    out, reply = give_back_one(d, e.pressure or over_limits(state, max_bytes, max_entries))
-    return Step(d.build(), tuple(out), reply)
+    reply = give_back_one(d, e.pressure or over_limits(state, max_bytes, max_entries))
+    return d.step(reply)
 
 
 def tick(state: ServiceState, e: ev.Tick) -> Step:
     if not isinstance(e.now, (int, float)):
         raise InvalidRequest(f"tick needs a number of seconds, got {e.now!r}")
     d = Draft(state)
-    out = clock_tick(d, e.now)
-    return Step(d.build(), tuple(out), None)
+    clock_tick(d, e.now)
+    return d.step(None)
 
 
 def ram_query(state: ServiceState, e: ev.RamQuery) -> Step:
@@ -141,13 +138,12 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
     if capacity is None:
         return Step(state, (), ScanResult(rejected=e.rejected))
     d = Draft(state)
-    out: list = []
     deleted = deleted_bytes = 0
     for saved in sorted(e.checkpoints, key=lambda c: c.used_at, reverse=True):
         if saved.meta.key in d.checkpoints:
             continue
         if d.disk.bytes + saved.file_bytes > capacity:
-            out.append(fx.DeleteCheckpoint(saved.meta.key))
+            d.out.append(fx.DeleteCheckpoint(saved.meta.key))
             d.count("disk_evictions")
             deleted, deleted_bytes = deleted + 1, deleted_bytes + saved.file_bytes
             continue
@@ -164,8 +160,8 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
         data = packed(record.tokens)
         tag = content_tag(namespace, data)
         d.disk.policy = d.disk.strategy.arriving(d.disk.policy, tag)
-        if not make_disk_room(d, record.file_bytes, out):  # larger than the whole budget: nothing makes room
-            out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
+        if not make_disk_room(d, record.file_bytes):  # larger than the whole budget: nothing makes room
+            d.out.append(fx.DeleteFile(fx.DiskKey(namespace, record.tokens)))
             d.count("disk_evictions")
             continue
         entry = Entry(d.new_entry_id(), namespace, data, record.nbytes, record.trimmable, R.DISK, d.now, None,
@@ -173,10 +169,10 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
         d.set_entry(entry)
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)
-    evicted = [effect for effect in out if isinstance(effect, fx.DeleteFile)]
+    evicted = [effect for effect in d.out if isinstance(effect, fx.DeleteFile)]
     deleted += len(evicted)
     deleted_bytes += checkpoint_bytes + found_bytes - d.disk.bytes
     d.count("rejected_files", e.rejected)
     kept = len(d.checkpoints) + sum(1 for entry in d.entries.values() if entry.residence is R.DISK)
     result = ScanResult(kept, d.disk.bytes, deleted, deleted_bytes, e.rejected, capacity)
-    return Step(d.build(), tuple(out), result)
+    return d.step(result)

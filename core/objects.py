@@ -22,15 +22,16 @@ def object_get(state: ServiceState, e: ev.ObjectGet) -> Step:
     if entry_id is not None:
         touch(d, state.entries[entry_id])
         d.count("object_hits")
-        return Step(d.build(), (fx.CloneEntry(entry_id, len(tokens), e.handle),), ObjectFound(e.handle, Source.RAM))
+        d.out.append(fx.CloneEntry(entry_id, len(tokens), e.handle))
+        return d.step(ObjectFound(e.handle, Source.RAM))
     entry_id = state.disk.index.exact(OBJECTS, tokens) if state.config.has_disk else None
     if entry_id is not None:
         d.reading = d.reading.set(entry_id, d.reading.get(entry_id, 0) + 1)
         reply = wait_for(d, None, e.handle, len(tokens))
-        return Step(d.build(), (fx.RestoreEntry(entry_id, fx.DiskKey(OBJECTS, tokens), len(tokens), e.handle),),
-                    reply)
+        d.out.append(fx.RestoreEntry(entry_id, fx.DiskKey(OBJECTS, tokens), len(tokens), e.handle))
+        return d.step(reply)
     d.count("object_misses")
-    return Step(d.build(), (), ObjectMissing())
+    return d.step(ObjectMissing())
 
 
 def object_put(state: ServiceState, e: ev.ObjectPut) -> Step:
@@ -41,7 +42,8 @@ def object_put(state: ServiceState, e: ev.ObjectPut) -> Step:
     d = Draft(state)
     if state.config.ram_capacity_bytes == 0:
         d.count("not_kept")
-        return Step(d.build(), (fx.DropPublished(e.handle),), NotKept(NotKeptReason.TOO_LARGE))
-    out, reply = keep(d, OBJECTS, tokens, e.handle, e.nbytes, e.file_bytes, False, None, protected=False,
+        d.out.append(fx.DropPublished(e.handle))
+        return d.step(NotKept(NotKeptReason.TOO_LARGE))
+    reply = keep(d, OBJECTS, tokens, e.handle, e.nbytes, e.file_bytes, False, None, protected=False,
                       notify=False)
-    return Step(d.build(), tuple(out), reply)
+    return d.step(reply)

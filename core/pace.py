@@ -59,7 +59,7 @@ def prefill_measured(state: ServiceState, e: ev.PrefillMeasured) -> Step:
         return Step(state, (), None)
     d = Draft(state)
     d.pace = attrs.evolve(d.pace, prefill_s_per_token=_average(d.pace.prefill_s_per_token, seconds / tokens))
-    return Step(d.build(), (), None)
+    return d.step(None)
 
 
 def read_pays(pace: Pace, file_bytes: int, tokens: int) -> bool:

@@ -39,7 +39,7 @@ def admit(state: ServiceState, e: ev.Admit):
     d = Draft(state)
     d.lease_set(e.lease, lease.admitted_with(need) if lease is not None else Lease(request, need, True))
     d.projected_bytes = projected
-    return Step(d.build(), (), Admission.ADMITTED)
+    return d.step(Admission.ADMITTED)
 
 
 def fits(state: ServiceState, e: ev.Fits):
@@ -63,7 +63,7 @@ def batch_measured(state: ServiceState, e: ev.BatchMeasured):
     nbytes = non_negative_int(e.nbytes, "a batch measure (bytes)")
     d = Draft(state)
     d.measured_bytes = nbytes if state.projected_bytes else 0  # caches of no admitted request: not ours
-    return Step(d.build(), (), None)
+    return d.step(None)
 
 
 def keeps_query(state: ServiceState, e: ev.Keeps):
@@ -91,14 +91,15 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
     check_sizes(e.nbytes, e.file_bytes)
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
     d = Draft(state)
-    out, reply = keep(d, namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
+    reply = keep(d, namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
                       protected, notify=True)
     if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
         # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
         d = Draft(state)
         d.deferred = e
-        return Step(d.build(), (fx.Sync(),), Pending())
-    return Step(d.build(), tuple(out), reply)
+        d.out.append(fx.Sync())
+        return d.step(Pending())
+    return d.step(reply)
 
 
 def release(state: ServiceState, e: ev.Release):
@@ -116,12 +117,11 @@ def release(state: ServiceState, e: ev.Release):
         d.measured_bytes = max(0, state.measured_bytes - (before - d.projected_bytes)) if d.projected_bytes else 0
     if lease.pending_handle is not None:
         d.acquiring = without(d.acquiring, lease.pending_handle)
-    out: list = []
     key = lease.checkpoint_key
     if e.completed and key is not None and key in state.checkpoints:
-        out.append(fx.DeleteCheckpoint(key))
+        d.out.append(fx.DeleteCheckpoint(key))
         forget_checkpoint(d, key)
-    return Step(d.build(), tuple(out), None)
+    return d.step(None)
 
 
 def close_session(state: ServiceState, e: ev.CloseSession):
@@ -131,4 +131,4 @@ def close_session(state: ServiceState, e: ev.CloseSession):
         return Step(state, (), None)
     d = Draft(state)
     d.sessions = d.sessions.delete(e.session_id)
-    return Step(d.build(), (), None)
+    return d.step(None)

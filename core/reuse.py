@@ -55,13 +55,12 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
             return Step(state, (), Admission.WAIT)
     d.lease_set(e.lease, lease.acquiring_in(namespace, key))
     record = state.checkpoints.get(key) if key is not None else None
-    out: list = []
     if record is not None and record.durable_tokens > 0:
-        out.append(fx.ResumeCheckpoint(key, e.handle))
+        d.out.append(fx.ResumeCheckpoint(key, e.handle))
         reply = wait_for(d, e.lease, e.handle, None)
     else:
-        reply = plan_acquire(d, e.lease, e.handle, out)
-    return Step(d.build(), tuple(out), reply)
+        reply = plan_acquire(d, e.lease, e.handle)
+    return d.step(reply)
 
 
 def _admitted_implicitly(d: Draft, lease: Lease, or_wait: bool) -> Lease | None:
@@ -89,13 +88,13 @@ def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int | None) ->
     return Pending(handle)
 
 
-def plan_acquire(d: Draft, lease_id: int, handle: int, out: list, from_disk: bool = True) -> Acquired | Pending:
+def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -> Acquired | Pending:
     """The longest usable prefix (RAM first, disk if strictly longer; RAM only without ``from_disk``),
     else fresh caches."""
     lease = d.leases[lease_id]
     request, namespace = lease.request, lease.namespace
     if not keeps(d, request):
-        out.append(fx.MakeFresh(handle))
+        d.out.append(fx.MakeFresh(handle))
         return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None, count=False)
     ram_len, ram_entry = d.ram.index.longest(namespace, request.prompt)
     disk_len, disk_entry = (d.disk.index.longest(namespace, request.prompt) if d.config.has_disk and from_disk
@@ -115,15 +114,15 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, out: list, from_disk: boo
         disk_len = 0
     if disk_len > ram_len:
         entry = d.entries[disk_entry]
-        out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))
+        d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))
         d.reading = d.reading.set(entry.id, d.reading.get(entry.id, 0) + 1)
         return wait_for(d, lease_id, handle, disk_len)
     if ram_len > 0:
         entry = d.entries[ram_entry]
-        out.append(fx.CloneEntry(entry.id, ram_len, handle))
+        d.out.append(fx.CloneEntry(entry.id, ram_len, handle))
         touch(d, entry)
         return finish_acquire(d, lease_id, handle, ram_len, Source.RAM, entry.id)
-    out.append(fx.MakeFresh(handle))
+    d.out.append(fx.MakeFresh(handle))
     return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None)
 
 
@@ -168,40 +167,40 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         read_measured(d, entry.file_bytes, e.seconds)
     waiting = d.acquiring.get(e.handle)
     if waiting is None:
-        return Step(d.build(), (fx.DropPublished(e.handle),), None)
+        d.out.append(fx.DropPublished(e.handle))
+        return d.step(None)
     if waiting.lease is None:  # an object read from disk
         d.acquiring = without(d.acquiring, e.handle)
         if entry is not None:
             touch(d, entry, disk=True)
         d.count("object_hits")
         d.count("object_restores")
-        return Step(d.build(), (), ObjectFound(e.handle, Source.DISK))
+        return d.step(ObjectFound(e.handle, Source.DISK))
     if entry is not None:
         touch(d, entry, disk=True)
     d.count("restores")
     reply = finish_acquire(d, waiting.lease, e.handle, waiting.tokens, Source.DISK, e.entry)
-    return Step(d.build(), (), reply)
+    return d.step(reply)
 
 
 def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
     d = Draft(state)
     unpin(d, e.entry)
-    out: list = []
     io_error = e.reason is done.FailureReason.IO_ERROR
     if io_error:
-        read_error(d, e.entry, out)
+        read_error(d, e.entry)
     else:
-        reject(d, e.entry, out)
+        reject(d, e.entry)
     waiting = d.acquiring.get(e.handle)
     if waiting is None:
-        return Step(d.build(), tuple(out), None)
+        return d.step(None)
     d.acquiring = without(d.acquiring, e.handle)
     if waiting.lease is None:  # an object whose file was rejected: a miss
         d.count("object_misses")
-        return Step(d.build(), tuple(out), ObjectMissing())
+        return d.step(ObjectMissing())
     # After an I/O error the disk is not read again for this request: RAM or fresh serves it.
-    reply = plan_acquire(d, waiting.lease, e.handle, out, from_disk=not io_error)
-    return Step(d.build(), tuple(out), reply)
+    reply = plan_acquire(d, waiting.lease, e.handle, from_disk=not io_error)
+    return d.step(reply)
 
 
 def peek(state: ServiceState, e: ev.PeekPrefixLen) -> Step:

@@ -48,53 +48,52 @@ def in_ram_evictable(entry: Entry) -> bool:
     return entry.residence in (R.RAM, R.BOTH)
 
 
-def make_ram_room(d: Draft, need: int, out: list) -> bool:
+def make_ram_room(d: Draft, need: int) -> bool:
     """Evict until ``need`` more bytes fit in RAM; False, with nothing changed, when pinned entries forbid."""
-    return _make_room(d, d.ram, need, out, in_ram_evictable, True, drop_ram, "evictions")
+    return _make_room(d, d.ram, need, in_ram_evictable, True, drop_ram, "evictions")
 
 
-def make_disk_room(d: Draft, need: int, out: list) -> bool:
+def make_disk_room(d: Draft, need: int) -> bool:
     """Evict saved state until ``need`` more bytes fit on disk; False, nothing changed, when pinned files forbid."""
     reading = d.reading
 
     def evictable(entry: Entry) -> bool:
         return entry.residence in (R.BOTH, R.DISK) and entry.id not in reading
-    return _make_room(d, d.disk, need, out, evictable, False, lambda d, e, o: drop_disk(d, e, o, delete=True),
+    return _make_room(d, d.disk, need, evictable, False, lambda d, e: drop_disk(d, e, delete=True),
                       "disk_evictions")
 
 
-def _make_room(d: Draft, tier: TierDraft, need: int, out: list, evictable: Evictable, protect: bool,
-               drop: Callable[[Draft, Entry, list], None], counter: str) -> bool:
+def _make_room(d: Draft, tier: TierDraft, need: int, evictable: Evictable, protect: bool,
+               drop: Callable[[Draft, Entry], None], counter: str) -> bool:
     if need > tier.capacity:
         return False
-    mark, local = None, []
+    mark = None
     while tier.bytes + need > tier.capacity:
         mark = mark or d.mark()  # taken once, only when something has to go
         policy, chosen = victim(tier, d.entries, evictable, protect)
         if chosen is None:
-            d.rollback(mark)
+            d.rollback(mark)  # nothing was evicted after all: state and effects as before
             return False
         tier.policy = policy
-        drop(d, d.entries[chosen], local)
+        drop(d, d.entries[chosen])
         d.count(counter)
-    out.extend(local)
     return True
 
 
 # ---------------------------------------------------------------- entries in and out of a tier
 
 
-def drop_ram(d: Draft, entry: Entry, out: list) -> None:
+def drop_ram(d: Draft, entry: Entry) -> None:
     """Release ``entry``'s RAM copy: gone if it had no disk copy, disk-only otherwise."""
-    out.append(fx.DropEntry(entry.id))
+    d.out.append(fx.DropEntry(entry.id))
     _leave(d, d.ram, entry, entry.nbytes, moved(entry.residence, Move.DROP_RAM))
 
 
-def drop_disk(d: Draft, entry: Entry, out: list, delete: bool) -> None:
+def drop_disk(d: Draft, entry: Entry, delete: bool) -> None:
     """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one."""
     after = moved(entry.residence, Move.DROP_DISK if entry.residence is not R.PREFETCHING else Move.READ_FAILED)
     if delete:
-        out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
+        d.out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
     _leave(d, d.disk, entry, entry.file_bytes, after)
     if after is R.RAM:
         _idle_again(d, entry.id)
@@ -152,7 +151,7 @@ def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
     tier.policy = tier.strategy.accessed(tier.policy, entry.id)
 
 
-def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded: bool = True,
+def start_spill(d: Draft, entry: Entry, demote: bool = False, bounded: bool = True,
                 evict: bool = True) -> None:
     """Start writing RAM-only ``entry`` to disk, making disk room (evicting saved state only when
     ``evict``); a full queue or disk drops the write, and so does the write-rate cap. A flush is not
@@ -165,14 +164,14 @@ def start_spill(d: Draft, entry: Entry, out: list, demote: bool = False, bounded
     if not evict and d.disk.bytes + entry.file_bytes > d.disk.capacity:
         d.count("dropped_writes")
         return
-    if not make_disk_room(d, entry.file_bytes, out):
+    if not make_disk_room(d, entry.file_bytes):
         d.count("dropped_writes")
         return
     entry = d.entries[entry.id]
     d.disk.bytes += entry.file_bytes
     d.writes_add(1, entry.nbytes)
     _charge_write_rate(d, entry.file_bytes)
-    out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
+    d.out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
                              entry.file_bytes))
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
 
@@ -222,9 +221,9 @@ def spill_pays(d: Draft, entry: Entry, counted: bool = True) -> bool:
 
 
 def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes: int, file_bytes: int,
-         trimmable: bool, session: str | None, protected: bool, notify: bool) -> tuple[list, object]:
+         trimmable: bool, session: str | None, protected: bool, notify: bool) -> object:
     """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it;
-    the effects and the reply."""
+    the reply (the effects go to the draft)."""
     data = packed(tokens)  # what the state keeps: the packed ids, never a tuple of them (see core/tokens.py)
     existing = d.ram.index.exact(namespace, data)
     if existing is not None:
@@ -232,95 +231,95 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.count("duplicates")
         if session is not None:
             d.sessions = d.sessions.set(session, (namespace, data))
-        return [fx.DropPublished(handle)], Kept(existing, duplicate=True)
-    out: list = []
+        d.out.append(fx.DropPublished(handle))
+        return Kept(existing, duplicate=True)
     tag = content_tag(namespace, data)
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)  # before room is made for it
-    if not make_ram_room(d, nbytes, out):
+    if not make_ram_room(d, nbytes):
         reason = NotKeptReason.TOO_LARGE if nbytes > d.ram.capacity else NotKeptReason.NO_ROOM
         d.count("not_kept")
-        return [fx.DropPublished(handle)], NotKept(reason)
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(reason)
     saved = d.disk.index.exact(namespace, data) if d.config.has_disk else None
     if saved is not None and d.entries[saved].residence is R.PREFETCHING:
-        out.append(fx.DropPublished(handle))
+        d.out.append(fx.DropPublished(handle))
         d.count("duplicates")
-        return out, Kept(saved, duplicate=True)
+        return Kept(saved, duplicate=True)
     if saved is not None:
         entry = d.entries[saved]
         entry = attrs.evolve(entry, residence=moved(entry.residence, Move.ADOPT), last_used=d.now)
         d.set_entry(entry)
         insert_ram(d, entry)
         d.ram.bytes += entry.nbytes
-        out.append(fx.AdoptPublished(handle, entry.id))
+        d.out.append(fx.AdoptPublished(handle, entry.id))
     else:
         entry = Entry(d.new_entry_id(), namespace, data, nbytes, trimmable, R.RAM, d.now, session, protected, tag,
                       file_bytes=file_bytes)
         d.set_entry(entry)
         d.ram.bytes += nbytes
         insert_ram(d, entry)
-        out.append(fx.AdoptPublished(handle, entry.id))
+        d.out.append(fx.AdoptPublished(handle, entry.id))
         config = d.config
         if config.has_disk and config.write_behind and config.write_idle_after is None and spill_pays(d, entry):
-            start_spill(d, entry, out)
+            start_spill(d, entry)
     if trimmable:
-        _drop_served_prefixes(d, entry, out)
+        _drop_served_prefixes(d, entry)
     if session is not None:
         d.sessions = d.sessions.set(session, (namespace, data))
     if notify:
-        out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(tokens))))
+        d.out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(tokens))))
     d.count("kept")
-    return out, Kept(entry.id)
+    return Kept(entry.id)
 
 
-def _drop_served_prefixes(d: Draft, longer: Entry, out: list) -> None:
+def _drop_served_prefixes(d: Draft, longer: Entry) -> None:
     """RAM holds no trimmable prefix that the trimmable ``longer`` entry already serves: their RAM
     copies go (a saved copy stays). Pinned and protected entries stay."""
     for _, entry_id, trimmable in d.ram.index.prefixes_of(longer.namespace, longer.packed):
         entry = d.entries[entry_id]
         if trimmable and entry.residence in (R.RAM, R.BOTH) and not entry.protected:
-            drop_ram(d, entry, out)
+            drop_ram(d, entry)
             d.count("superseded")
 
 
-def spill_done(d: Draft, e: done.SpillDone) -> tuple[list, object]:
+def spill_done(d: Draft, e: done.SpillDone) -> object:
     entry = d.entries.get(e.entry)
     if entry is None or entry.residence is not R.SPILLING:
-        return [], None
+        return None
     d.writes_add(-1, -entry.nbytes)
     written = attrs.evolve(entry, residence=moved(entry.residence, Move.WRITTEN))
     d.set_entry(written)
     insert_disk(d, written)
     d.count("spills")
     d.count("bytes_written", written.file_bytes)
-    out: list = []
     if entry.demote:
-        drop_ram(d, written, out)
+        drop_ram(d, written)
         d.count("demotions")
-    return out, None
+    return None
 
 
-def spill_failed(d: Draft, e: done.SpillFailed) -> tuple[list, object]:
+def spill_failed(d: Draft, e: done.SpillFailed) -> object:
     entry = d.entries.get(e.entry)
     if entry is None or entry.residence is not R.SPILLING:
-        return [], None
+        return None
     d.writes_add(-1, -entry.nbytes)
     d.disk.bytes -= entry.file_bytes
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED)))
     _idle_again(d, entry.id)
     d.count("failed_writes")
-    return [], None
+    return None
 
 
 # ---------------------------------------------------------------- giving RAM back
 
 
-def give_back(d: Draft, entry: Entry, out: list) -> None:
+def give_back(d: Draft, entry: Entry) -> None:
     """Release ``entry``'s RAM, spilling it first when it has no durable copy and a disk tier exists."""
     if entry.residence is R.RAM and d.config.has_disk and spill_pays(d, entry):
-        start_spill(d, entry, out, demote=True)
+        start_spill(d, entry, demote=True)
         if d.entries[entry.id].residence is R.SPILLING:
             return
-    drop_ram(d, d.entries[entry.id], out)
+    drop_ram(d, d.entries[entry.id])
     d.count("demotions")
 
 
@@ -338,7 +337,7 @@ def over_limits(state: ServiceState | Draft, max_bytes: int | None, max_entries:
     return config.ram_within_kv_budget and budget is not None and held > budget - held_bound(state)
 
 
-def boundary(d: Draft, pressure: bool) -> tuple[list, object]:
+def boundary(d: Draft, pressure: bool) -> object:
     """Under pressure give back one entry (the policy's victim); the facade repeats while the boundary
     gives back or waits.
 
@@ -347,20 +346,21 @@ def boundary(d: Draft, pressure: bool) -> tuple[list, object]:
     than the pressure needs. With no victim left and writes in flight it waits too (a written entry
     becomes one whose RAM copy can go)."""
     if not pressure or d.phase is not Phase.OPEN:
-        return [], GaveBack(0, 0)
+        return GaveBack(0, 0)
     if d.writes.count and any(e.demote and e.residence is R.SPILLING for e in d.entries.values()):
-        return [fx.Sync(pressure=True)], GaveBack(0, 0, waited=True)
+        d.out.append(fx.Sync(pressure=True))
+        return GaveBack(0, 0, waited=True)
     # The policy names the victim; its own bookkeeping follows the entry's fate in give_back
     # (an entry that starts spilling stays known to the policy, pinned until its write settles).
     _, chosen = victim(d.ram, d.entries, in_ram_evictable, protect=True)
     if chosen is None:
         if d.writes.count:  # what is left is being written: its RAM goes once the writes land
-            return [fx.Sync(pressure=True)], GaveBack(0, 0, waited=True)
-        return [], GaveBack(0, 0)
+            d.out.append(fx.Sync(pressure=True))
+            return GaveBack(0, 0, waited=True)
+        return GaveBack(0, 0)
     entry = d.entries[chosen]
-    out: list = []
-    give_back(d, entry, out)
-    return out, GaveBack(1, entry.nbytes)
+    give_back(d, entry)
+    return GaveBack(1, entry.nbytes)
 
 
 def optional_bytes(state: ServiceState) -> int:
@@ -372,15 +372,14 @@ def optional_bytes(state: ServiceState) -> int:
     return state.ram.bytes + checkpoints
 
 
-def tick(d: Draft, now: float) -> list:
+def tick(d: Draft, now: float) -> None:
     """The clock reads ``now``: entries idle past the demotion threshold are given back, and RAM-only
     entries idle past the write threshold are written (:func:`_write_idle`). Only entries gone idle
     are visited, least recently used first (:mod:`~kvstate.core.idle`)."""
     d.now = max(d.now, float(now))
     config = d.config
     if not config.idle_rules or d.phase is not Phase.OPEN:
-        return []
-    out: list = []
+        return
     after = config.demote_idle_after
     if after is not None:
         for entry in d.idle.idle(lambda: d.entries, d.now - after):
@@ -388,11 +387,10 @@ def tick(d: Draft, now: float) -> list:
                 if not entry.demote:
                     d.set_entry(attrs.evolve(entry, demote=True))
             elif entry.residence in (R.RAM, R.BOTH):
-                give_back(d, entry, out)
+                give_back(d, entry)
     if config.write_behind and config.write_idle_after is not None:
-        _write_idle(d, config.write_idle_after, out)
+        _write_idle(d, config.write_idle_after)
     d.idle = d.idle.advanced(d.entries, lambda entry: _needs_clock(config, entry))
-    return out
 
 
 def _needs_clock(config: ServiceConfig, entry: Entry) -> bool:
@@ -403,53 +401,52 @@ def _needs_clock(config: ServiceConfig, entry: Entry) -> bool:
                 and entry.nbytes <= config.write_queue_bytes))
 
 
-def _write_idle(d: Draft, after: float, out: list) -> None:
+def _write_idle(d: Draft, after: float) -> None:
     """Write RAM-only entries idle ``after`` seconds or more (they stay in RAM), while the write queue
     and the write-rate cap have room for them; the rest wait for a later tick. An entry whose file
     could never pay back its read is not written; one whose write failed waits another idle spell."""
     for entry in d.idle.idle(lambda: d.entries, d.now - after):
         if entry.residence is R.RAM and _spill_blocked(d, entry) is None and spill_pays(d, entry, counted=False):
-            start_spill(d, entry, out)  # a wait is counted nowhere: the entry is tried again at the next tick
+            start_spill(d, entry)  # a wait is counted nowhere: the entry is tried again at the next tick
 
 
 # ---------------------------------------------------------------- prefetch and rejected files
 
 
-def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> tuple[list, object]:
+def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
     if not d.config.has_disk or d.ram.capacity == 0:
-        return [], False
+        return False
     disk_len, disk_entry = d.disk.index.longest(namespace, prompt)
     ram_len, _ = d.ram.index.longest(namespace, prompt)
     if disk_len <= ram_len:
-        return [], False
+        return False
     entry = d.entries[disk_entry]
     if entry.residence is not R.DISK or disk_entry in d.reading:
-        return [], False
-    out: list = []
+        return False
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, entry.tag)
-    if not make_ram_room(d, entry.nbytes, out):
-        return [], False
+    if not make_ram_room(d, entry.nbytes):
+        return False
     entry = attrs.evolve(d.entries[entry.id], residence=moved(R.DISK, Move.PREFETCH))
     d.set_entry(entry)
     d.ram.bytes += entry.nbytes
-    out.append(fx.PrefetchEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens)))
-    return out, True
+    d.out.append(fx.PrefetchEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens)))
+    return True
 
 
-def prefetch_done(d: Draft, e: done.PrefetchDone) -> tuple[list, object]:
+def prefetch_done(d: Draft, e: done.PrefetchDone) -> object:
     entry = d.entries.get(e.entry)
     if entry is None or entry.residence is not R.PREFETCHING:
-        return [], None
+        return None
     entry = attrs.evolve(entry, residence=moved(entry.residence, Move.READ), last_used=d.now, read_errors=0)
     d.set_entry(entry)
     insert_ram(d, entry)
     d.count("prefetches")
     d.count("bytes_read", entry.file_bytes)
     read_measured(d, entry.file_bytes, e.seconds)
-    return [], None
+    return None
 
 
-def reject(d: Draft, entry_id: int, out: list) -> None:
+def reject(d: Draft, entry_id: int) -> None:
     """A saved file failed to read: forget it (the interpreter moved it aside) and count it."""
     entry = d.entries.get(entry_id)
     d.count("rejected_files")
@@ -457,14 +454,14 @@ def reject(d: Draft, entry_id: int, out: list) -> None:
         return
     if entry.residence is R.PREFETCHING:
         d.ram.bytes -= entry.nbytes
-    drop_disk(d, entry, out, delete=False)
+    drop_disk(d, entry, delete=False)
 
 
 #: Reads of one file that may hit I/O errors in a row before it is taken for unreadable and deleted.
 MAX_READ_ERRORS = 3
 
 
-def read_error(d: Draft, entry_id: int, out: list) -> None:
+def read_error(d: Draft, entry_id: int) -> None:
     """A read of ``entry_id``'s file hit an I/O error, which is not evidence of a bad file: the file
     stays, on disk (a prefetch's RAM charge is undone), unless its reads have now failed
     ``MAX_READ_ERRORS`` times in a row; then it is forgotten and deleted."""
@@ -476,19 +473,18 @@ def read_error(d: Draft, entry_id: int, out: list) -> None:
         d.ram.bytes -= entry.nbytes
     if entry.read_errors + 1 >= MAX_READ_ERRORS:
         d.count("rejected_files")
-        drop_disk(d, entry, out, delete=True)
+        drop_disk(d, entry, delete=True)
         return
     residence = moved(entry.residence, Move.READ_ERROR) if entry.residence is R.PREFETCHING else entry.residence
     d.set_entry(attrs.evolve(entry, residence=residence, read_errors=entry.read_errors + 1))
 
 
-def prefetch_failed(d: Draft, e: done.PrefetchFailed) -> tuple[list, object]:
-    out: list = []
+def prefetch_failed(d: Draft, e: done.PrefetchFailed) -> object:
     if e.reason is done.FailureReason.IO_ERROR:
-        read_error(d, e.entry, out)
+        read_error(d, e.entry)
     else:
-        reject(d, e.entry, out)
-    return out, None
+        reject(d, e.entry)
+    return None
 
 
 def unpin(d: Draft, entry_id: int) -> None:

@@ -41,12 +41,12 @@ __all__ = ["Step", "step", "UnknownEvent", "HANDLERS", "checkpoint_key", "checkp
            "optional_bytes", "own_bytes", "usable_length"]
 
 
-def _on_draft(handler: Callable[[Draft, Any], tuple[list, Any]]) -> Callable[[ServiceState, Any], Step]:
-    """A tier handler that works on a draft, as a transition."""
+def _on_draft(handler: Callable[[Draft, Any], Any]) -> Callable[[ServiceState, Any], Step]:
+    """A tier handler that works on a draft (its effects in the draft, its reply returned), as a transition."""
     def transition(state: ServiceState, event: Any) -> Step:
         d = Draft(state)
-        out, reply = handler(d, event)
-        return Step(d.build(), tuple(out), reply)
+        reply = handler(d, event)
+        return d.step(reply)
     transition.__name__ = handler.__name__
     return transition
 
@@ -55,8 +55,8 @@ def _prefetch(state: ServiceState, e: ev.Prefetch) -> Step:
     ensure_open(state, "prefetch")
     namespace = check_namespace(e.namespace)
     d = Draft(state)
-    out, reply = tiers.prefetch(d, namespace, e.prompt)
-    return Step(d.build(), tuple(out), reply) if out else Step(state, (), reply)
+    reply = tiers.prefetch(d, namespace, e.prompt)
+    return d.step(reply) if d.out else Step(state, (), reply)  # no read started: nothing changed
 
 
 #: Each event and completion, and the handler of its concern.
