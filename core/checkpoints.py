@@ -4,23 +4,98 @@ A checkpoint write is queued like a spill (the write queue bounds it) and its
 file is charged to the disk tier from the start; a newer file replaces the
 older one under the same key, so both are charged while the new one is written.
 A resume must agree with the request (prompt, counts, key), or the checkpoint
-is deleted and the acquire falls back to reuse.
+is deleted and the acquire falls back to reuse. Everything about checkpoints is
+decided here: their key, whether an acquire resumes, the meta a file records,
+the records a scan finds, and their deletion when a generation completes; the
+acquire that waits on a resume (:mod:`~kvstate.core.reuse`) asks these.
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.checks import check_sizes, ensure_open
-from kvstate.core.draft import Draft, Step, without
+from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import CheckpointNotAllowed, TokensDoNotMatchCaches
-from kvstate.core.replies import Source
-from kvstate.core.reuse import finish_acquire, plan_acquire
+from kvstate.core.request import Request
 from kvstate.core.state import CheckpointRecord, Lease, ServiceState
 from kvstate.core.tiers import make_disk_room
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
+
+
+def checkpoint_key(state: ServiceState | Draft, namespace: str, key: str) -> str:
+    """A generation's checkpoint key: its namespace and the service identity are part of it."""
+    return f"{namespace}\x1f{state.config.identity}\x1f{key}"
+
+
+def resume_key(state: ServiceState | Draft, request: Request, namespace: str) -> str | None:
+    """The checkpoint key an acquire of ``request`` resumes from, where the service keeps checkpoints
+    and the request is a replayable generation; else None."""
+    if request.continuation is None or not state.config.checkpoints:
+        return None
+    return checkpoint_key(state, namespace, request.continuation.key)
+
+
+def resumable(state: ServiceState | Draft, key: str | None) -> bool:
+    """Whether a durable checkpoint of ``key`` is there to resume."""
+    record = state.checkpoints.get(key) if key is not None else None
+    return record is not None and record.durable_tokens > 0
+
+
+def resume_agrees(lease: Lease, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> bool:
+    """Whether a checkpoint read back agrees with the request resuming it (prompt, counts, key)."""
+    request = lease.request
+    return (meta.prompt_tokens == len(request.prompt) and meta.generated_tokens >= 0
+            and len(tokens) == meta.prompt_tokens + meta.generated_tokens
+            and tokens[:len(request.prompt)] == request.prompt and meta.key == lease.checkpoint_key)
+
+
+def reject_checkpoint(d: Draft, key: str) -> None:
+    """A checkpoint that could not be resumed: its files are deleted, it is forgotten and counted."""
+    if key in d.checkpoints:
+        d.out.append(fx.DeleteCheckpoint(key))
+        forget_checkpoint(d, key)
+    d.count("rejected_files")
+
+
+def forget_completed(d: Draft, lease: Lease, completed: bool) -> None:
+    """A released generation that completed leaves no checkpoint: its files are deleted."""
+    key = lease.checkpoint_key
+    if completed and key is not None and key in d.checkpoints:
+        d.out.append(fx.DeleteCheckpoint(key))
+        forget_checkpoint(d, key)
+
+
+def found_at_scan(d: Draft, saved: Iterable[done.SavedCheckpoint], capacity: int) -> tuple[int, int]:
+    """Checkpoints a scan found, the most recent first, become records while the disk budget holds them
+    (they hold generations in progress, so they are placed before prefixes); the rest are deleted and
+    counted. The number deleted and their bytes."""
+    deleted = deleted_bytes = 0
+    for found in sorted(saved, key=lambda c: c.used_at, reverse=True):
+        if found.meta.key in d.checkpoints:
+            continue
+        if d.disk.bytes + found.file_bytes > capacity:
+            d.out.append(fx.DeleteCheckpoint(found.meta.key))
+            d.count("disk_evictions")
+            deleted, deleted_bytes = deleted + 1, deleted_bytes + found.file_bytes
+            continue
+        d.checkpoints = d.checkpoints.set(found.meta.key, CheckpointRecord(
+            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes))
+        d.disk.bytes += found.file_bytes
+    return deleted, deleted_bytes
+
+
+def plan_checkpoint(state: ServiceState, e: ev.PlanCheckpoint) -> Step:
+    """The meta a checkpoint of acquired lease ``e.lease`` would record (for the interpreter to measure
+    its file before the checkpoint is offered), or None where the core would refuse the checkpoint."""
+    lease = state.leases.get(e.lease)
+    if lease is None or lease.checkpoint_key is None or not isinstance(e.generated_tokens, int):
+        return Step(state, (), None)
+    return Step(state, (), checkpoint_meta(lease, e.generated_tokens, e.pending_token))
 
 
 def checkpoint_meta(lease: Lease, generated_tokens: int, pending_token: int | None) -> fx.CheckpointMeta:
@@ -109,46 +184,3 @@ def checkpoint_failed(state: ServiceState, e: done.CheckpointFailed) -> Step:
     _settled(d, e.key, None)
     d.count("failed_writes")
     return d.step(None)
-
-
-def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
-    waiting = state.acquiring.get(e.handle)
-    if waiting is None:
-        return Step(state, (fx.DropPublished(e.handle),), None)
-    lease = state.leases[waiting.lease]
-    request, meta = lease.request, e.meta
-    consistent = (meta.prompt_tokens == len(request.prompt) and meta.generated_tokens >= 0
-                  and len(e.tokens) == meta.prompt_tokens + meta.generated_tokens
-                  and e.tokens[:len(request.prompt)] == request.prompt
-                  and meta.key == lease.checkpoint_key)
-    if not consistent:  # the file says other than its name: rejected, and the acquire goes on without it
-        return _resume_rejected(state, meta.key, e.handle, drop_handle=True)
-    d = Draft(state)
-    d.count("resumes")
-    reply = finish_acquire(d, waiting.lease, e.handle, len(request.prompt), Source.CHECKPOINT, None,
-                           resumed=meta, resumed_tokens=e.tokens)
-    return d.step(reply)
-
-
-def resume_failed(state: ServiceState, e: done.ResumeFailed) -> Step:
-    return _resume_rejected(state, e.key, e.handle, drop_handle=False)
-
-
-def _resume_rejected(state: ServiceState, key: str, handle: int, drop_handle: bool) -> Step:
-    """A checkpoint that could not be resumed is forgotten (its file deleted) and counted; the acquire
-    that waited on it plans again without it (``drop_handle``: its caches were read and are let go)."""
-    waiting = state.acquiring.get(handle)
-    lease_id = waiting.lease if waiting is not None else None
-    key = state.leases[lease_id].checkpoint_key if lease_id is not None else key
-    d = Draft(state)
-    if drop_handle:
-        d.out.append(fx.DropPublished(handle))
-    if key in d.checkpoints:
-        d.out.append(fx.DeleteCheckpoint(key))
-        forget_checkpoint(d, key)
-    d.count("rejected_files")
-    if lease_id is None:
-        return d.step(None)
-    d.acquiring = without(d.acquiring, handle)
-    reply = plan_acquire(d, lease_id, handle)
-    return d.step(reply)

@@ -105,7 +105,8 @@ class Draft:
         self.__dict__ = fields.copy()
         self.counts = counts.copy()
         del self.out[effects:]
-        (self.ram.index, self.ram.bytes, self.ram.policy), (self.disk.index, self.disk.bytes, self.disk.policy) = ram, disk
+        self.ram.index, self.ram.bytes, self.ram.policy = ram
+        self.disk.index, self.disk.bytes, self.disk.policy = disk
 
     # ------------------------------------------------------------ small edits every concern makes
 

@@ -168,6 +168,16 @@ class ObjectPut(Event):
 
 
 @attrs.frozen
+class PlanCheckpoint(Event):
+    """What a checkpoint of acquired ``lease`` after ``generated_tokens`` (``pending_token`` sampled, not
+    yet fed) would record: its meta, for the interpreter to measure the file before it is offered."""
+
+    lease: int
+    generated_tokens: int
+    pending_token: int | None = None
+
+
+@attrs.frozen
 class FitMaxTokens(Event):
     """Can a request of ``prompt_tokens`` ever run, and with what max_tokens? ``requested``: the
     ``max_tokens`` is the client's own (it stands or is refused), else a default (lowered to what fits)."""

@@ -10,6 +10,7 @@ evicted by the disk's policy in the order the files were last used, and counted.
 from __future__ import annotations
 
 from kvstate.core import events as ev
+from kvstate.core.checkpoints import found_at_scan
 from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
@@ -17,7 +18,7 @@ from kvstate.core.replies import FlushResult, HeldEntry, RamHeld, ScanResult
 from kvstate.core.requests import decide_publish
 from kvstate.core.report import report
 from kvstate.core.state import (
-    EMPTY, IN_RAM, OBJECTS, CheckpointRecord, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
+    EMPTY, IN_RAM, OBJECTS, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
 from kvstate.core.tiers import (
     boundary as give_back_one, drop_ram, insert_disk, make_disk_room, over_limits, start_spill, tick as clock_tick,
@@ -138,18 +139,7 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
     if capacity is None:
         return Step(state, (), ScanResult(rejected=e.rejected))
     d = Draft(state)
-    deleted = deleted_bytes = 0
-    for saved in sorted(e.checkpoints, key=lambda c: c.used_at, reverse=True):
-        if saved.meta.key in d.checkpoints:
-            continue
-        if d.disk.bytes + saved.file_bytes > capacity:
-            d.out.append(fx.DeleteCheckpoint(saved.meta.key))
-            d.count("disk_evictions")
-            deleted, deleted_bytes = deleted + 1, deleted_bytes + saved.file_bytes
-            continue
-        d.checkpoints = d.checkpoints.set(saved.meta.key, CheckpointRecord(
-            saved.meta.namespace, durable_tokens=saved.tokens, file_bytes=saved.file_bytes))
-        d.disk.bytes += saved.file_bytes
+    deleted, deleted_bytes = found_at_scan(d, e.checkpoints, capacity)
     checkpoint_bytes = d.disk.bytes
     found_bytes = 0
     for record in sorted(e.records, key=lambda r: r.used_at):

@@ -9,7 +9,7 @@ from kvstate.core.draft import Draft, Step
 from kvstate.core.replies import NotKept, NotKeptReason, ObjectFound, ObjectMissing, Source
 from kvstate.core.reuse import wait_for
 from kvstate.core.state import OBJECTS, ServiceState, object_tokens
-from kvstate.core.tiers import keep, touch
+from kvstate.core.tiers import Offer, keep, touch
 from kvstate.effects import effects as fx
 
 
@@ -44,6 +44,5 @@ def object_put(state: ServiceState, e: ev.ObjectPut) -> Step:
         d.count("not_kept")
         d.out.append(fx.DropPublished(e.handle))
         return d.step(NotKept(NotKeptReason.TOO_LARGE))
-    reply = keep(d, OBJECTS, tokens, e.handle, e.nbytes, e.file_bytes, False, None, protected=False,
-                      notify=False)
+    reply = keep(d, Offer(OBJECTS, tokens, e.handle, e.nbytes, e.file_bytes, trimmable=False, notify=False))
     return d.step(reply)

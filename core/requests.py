@@ -12,7 +12,7 @@ then keeps or drops the state once they settle.
 from __future__ import annotations
 
 from kvstate.core import admission, checks, events as ev
-from kvstate.core.checkpoints import forget_checkpoint
+from kvstate.core.checkpoints import forget_completed
 from kvstate.core.checks import (
     check_budget, check_context, check_sizes, ensure_open, keeps, non_negative_int,
 )
@@ -20,25 +20,38 @@ from kvstate.core.draft import Draft, Step, without
 from kvstate.core.errors import InvalidRequest, RequestKeepsNoState, TokensDoNotMatchCaches
 from kvstate.core.replies import Admission, NotKept, NotKeptReason, Pending
 from kvstate.core.state import Lease, Phase, ServiceState, check_namespace, request_check
-from kvstate.core.tiers import keep
+from kvstate.core.tiers import Offer, keep
 from kvstate.effects import effects as fx
+
+
+def admit_lease(d: Draft, lease: Lease) -> Lease | None:
+    """The one admission rule, for ``admit`` and for an acquire of a request never admitted: a request
+    past the context or over the whole KV budget on its own is refused (``ContextLimitExceeded``,
+    ``OverBudget``); one already admitted stays as it is; else it is admitted where the budget has room
+    for its charge (the projection grows by it) and None where it has none."""
+    request = lease.request
+    check_context(d, request)
+    need = admission.own_bytes(d, request)
+    check_budget(d, request, need)
+    if lease.admitted:
+        return lease
+    projected = admission.charge_with(d, request, need)
+    if not admission.has_room(d, projected):
+        return None
+    d.projected_bytes = projected
+    return lease.admitted_with(need)
 
 
 def admit(state: ServiceState, e: ev.Admit):
     ensure_open(state, "admit")
-    request = request_check(e.request)
-    check_context(state, request)
-    need = admission.own_bytes(state, request)
-    check_budget(state, request, need)
-    lease = state.leases.get(e.lease)
-    if lease is not None and lease.admitted:
-        return Step(state, (), Admission.ADMITTED)
-    projected = admission.charge_with(state, request, need)
-    if not admission.has_room(state, projected):
-        return Step(state, (), Admission.WAIT)
+    lease = state.leases.get(e.lease) or Lease(request_check(e.request))
     d = Draft(state)
-    d.lease_set(e.lease, lease.admitted_with(need) if lease is not None else Lease(request, need, True))
-    d.projected_bytes = projected
+    admitted = admit_lease(d, lease)
+    if admitted is None:
+        return Step(state, (), Admission.WAIT)
+    if admitted is lease:
+        return Step(state, (), Admission.ADMITTED)
+    d.lease_set(e.lease, admitted)
     return d.step(Admission.ADMITTED)
 
 
@@ -91,8 +104,8 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
     check_sizes(e.nbytes, e.file_bytes)
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
     d = Draft(state)
-    reply = keep(d, namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
-                      protected, notify=True)
+    reply = keep(d, Offer(namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
+                          protected))
     if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
         # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
         d = Draft(state)
@@ -117,10 +130,7 @@ def release(state: ServiceState, e: ev.Release):
         d.measured_bytes = max(0, state.measured_bytes - (before - d.projected_bytes)) if d.projected_bytes else 0
     if lease.pending_handle is not None:
         d.acquiring = without(d.acquiring, lease.pending_handle)
-    key = lease.checkpoint_key
-    if e.completed and key is not None and key in state.checkpoints:
-        d.out.append(fx.DeleteCheckpoint(key))
-        forget_checkpoint(d, key)
+    forget_completed(d, lease, e.completed)
     return d.step(None)
 
 

@@ -11,8 +11,11 @@ a :class:`~kvstate.core.state.Waiting` record) until its completion arrives.
 
 from __future__ import annotations
 
+import attrs
+
 from kvstate.core import admission, events as ev
-from kvstate.core.checks import check_budget, check_context, ensure_open, keeps, size_text
+from kvstate.core.checkpoints import reject_checkpoint, resumable, resume_agrees, resume_key
+from kvstate.core.checks import ensure_open, keeps, size_text
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.errors import NotAdmitted, RequestAlreadyAcquired
@@ -20,14 +23,10 @@ from kvstate.core.tokens import common_prefix, starts_with
 from kvstate.core.replies import Acquired, Admission, ObjectFound, ObjectMissing, Pending, Source
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
+from kvstate.core.requests import admit_lease
 from kvstate.core.tiers import read_error, reject, touch, unpin
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
-
-
-def checkpoint_key(state: ServiceState, namespace: str, key: str) -> str:
-    """A generation's checkpoint key: its namespace and the service identity are part of it."""
-    return f"{namespace}\x1f{state.config.identity}\x1f{key}"
 
 
 def usable_length(entry: Entry, prompt: tuple[int, ...]) -> int:
@@ -45,17 +44,14 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     lease = state.leases.get(e.lease) or Lease(request)
     if lease.acquired or lease.pending_handle is not None:
         raise RequestAlreadyAcquired("this request already holds its state; release it before acquiring again")
-    key = None
-    if request.continuation is not None and state.config.checkpoints:
-        key = checkpoint_key(state, namespace, request.continuation.key)
+    key = resume_key(state, request, namespace)
     d = Draft(state)
     if not lease.admitted:
         lease = _admitted_implicitly(d, lease, e.or_wait)
         if lease is None:
             return Step(state, (), Admission.WAIT)
     d.lease_set(e.lease, lease.acquiring_in(namespace, key))
-    record = state.checkpoints.get(key) if key is not None else None
-    if record is not None and record.durable_tokens > 0:
+    if resumable(state, key):
         d.out.append(fx.ResumeCheckpoint(key, e.handle))
         reply = wait_for(d, e.lease, e.handle, None)
     else:
@@ -64,20 +60,14 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
 
 
 def _admitted_implicitly(d: Draft, lease: Lease, or_wait: bool) -> Lease | None:
-    """An acquire without ``admit`` admits the request as ``admit`` would, or waits (None, with
-    ``or_wait``) or refuses: the KV budget is never bypassed."""
-    request = lease.request
-    check_context(d, request)
-    need = admission.own_bytes(d, request)
-    check_budget(d, request, need)
-    projected = admission.charge_with(d, request, need)
-    if not admission.has_room(d, projected):
-        if or_wait:
-            return None
+    """An acquire without ``admit`` admits the request as ``admit`` would (:func:`admit_lease`), or
+    waits (None, with ``or_wait``) or refuses: the KV budget is never bypassed."""
+    admitted = admit_lease(d, lease)
+    if admitted is None and not or_wait:
+        need = admission.own_bytes(d, lease.request)
         raise NotAdmitted(f"acquire of a request never admitted, and the KV budget has no room for its "
                           f"{size_text(need)} now; call admit() first and wait while it returns False")
-    d.projected_bytes = projected
-    return lease.admitted_with(need)
+    return admitted
 
 
 def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int | None) -> Pending:
@@ -95,7 +85,7 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -
     request, namespace = lease.request, lease.namespace
     if not keeps(d, request):
         d.out.append(fx.MakeFresh(handle))
-        return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None, count=False)
+        return finish_acquire(d, lease_id, handle, Served(0, Source.FRESH, counted=False))
     ram_len, ram_entry = d.ram.index.longest(namespace, request.prompt)
     disk_len, disk_entry = (d.disk.index.longest(namespace, request.prompt) if d.config.has_disk and from_disk
                             else (0, None))
@@ -121,9 +111,9 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -
         entry = d.entries[ram_entry]
         d.out.append(fx.CloneEntry(entry.id, ram_len, handle))
         touch(d, entry)
-        return finish_acquire(d, lease_id, handle, ram_len, Source.RAM, entry.id)
+        return finish_acquire(d, lease_id, handle, Served(ram_len, Source.RAM, entry.id))
     d.out.append(fx.MakeFresh(handle))
-    return finish_acquire(d, lease_id, handle, 0, Source.FRESH, None)
+    return finish_acquire(d, lease_id, handle, Served(0, Source.FRESH))
 
 
 def _session_entry(d: Draft, request: Request, namespace: str) -> Entry | None:
@@ -139,23 +129,34 @@ def _session_entry(d: Draft, request: Request, namespace: str) -> Entry | None:
     return d.entries.get(entry_id) if entry_id is not None else None
 
 
-def finish_acquire(d: Draft, lease_id: int, handle: int, reused: int, source: Source, entry: int | None,
-                   count: bool = True, resumed: fx.CheckpointMeta | None = None,
-                   resumed_tokens: tuple[int, ...] = ()) -> Acquired:
+@attrs.frozen
+class Served:
+    """What an acquire is served: ``reused`` prompt tokens from ``source`` (the ``entry`` that served
+    them, if any), counted as a hit or a miss unless not ``counted``; a resumed generation's meta and
+    tokens."""
+
+    reused: int
+    source: Source
+    entry: int | None = None
+    counted: bool = True
+    resumed: fx.CheckpointMeta | None = None
+    resumed_tokens: tuple[int, ...] = ()
+
+
+def finish_acquire(d: Draft, lease_id: int, handle: int, served: Served) -> Acquired:
     """The lease holds its state now: counted as a hit or a miss (and a session hit or miss)."""
     lease = d.leases[lease_id]
     d.lease_set(lease_id, lease.holding())
     d.acquiring = without(d.acquiring, handle)
-    if count:
-        hit = reused > 0
-        d.count("hits" if hit else "misses")
-        d.count("prefill_tokens_saved", reused)
+    if served.counted:
+        d.count("hits" if served.reused > 0 else "misses")
+        d.count("prefill_tokens_saved", served.reused)
         session = lease.request.session_id
-        if session is not None and session in d.sessions and source is not Source.CHECKPOINT:
-            source_entry = d.entries.get(entry) if entry is not None else None
+        if session is not None and session in d.sessions and served.source is not Source.CHECKPOINT:
+            source_entry = d.entries.get(served.entry) if served.entry is not None else None
             own = source_entry is not None and d.sessions[session] == (source_entry.namespace, source_entry.packed)
             d.count("session_hits" if own else "session_misses")
-    return Acquired(lease_id, handle, reused, source, resumed, resumed_tokens)
+    return Acquired(lease_id, handle, served.reused, served.source, served.resumed, served.resumed_tokens)
 
 
 def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
@@ -179,7 +180,7 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     if entry is not None:
         touch(d, entry, disk=True)
     d.count("restores")
-    reply = finish_acquire(d, waiting.lease, e.handle, waiting.tokens, Source.DISK, e.entry)
+    reply = finish_acquire(d, waiting.lease, e.handle, Served(waiting.tokens, Source.DISK, e.entry))
     return d.step(reply)
 
 
@@ -201,6 +202,40 @@ def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
     # After an I/O error the disk is not read again for this request: RAM or fresh serves it.
     reply = plan_acquire(d, waiting.lease, e.handle, from_disk=not io_error)
     return d.step(reply)
+
+
+def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
+    """A checkpoint read back: the acquire waiting on it resumes, where it agrees with the request."""
+    waiting = state.acquiring.get(e.handle)
+    if waiting is None:
+        return Step(state, (fx.DropPublished(e.handle),), None)
+    lease = state.leases[waiting.lease]
+    if not resume_agrees(lease, e.meta, e.tokens):  # the file says other than its name: rejected
+        return _resume_rejected(state, e.meta.key, e.handle, drop_handle=True)
+    d = Draft(state)
+    d.count("resumes")
+    served = Served(len(lease.request.prompt), Source.CHECKPOINT, counted=True, resumed=e.meta,
+                    resumed_tokens=e.tokens)
+    return d.step(finish_acquire(d, waiting.lease, e.handle, served))
+
+
+def resume_failed(state: ServiceState, e: done.ResumeFailed) -> Step:
+    return _resume_rejected(state, e.key, e.handle, drop_handle=False)
+
+
+def _resume_rejected(state: ServiceState, key: str, handle: int, drop_handle: bool) -> Step:
+    """A checkpoint that could not be resumed is rejected (:func:`reject_checkpoint`); the acquire that
+    waited on it plans again without it (``drop_handle``: its caches were read and are let go)."""
+    waiting = state.acquiring.get(handle)
+    lease_id = waiting.lease if waiting is not None else None
+    d = Draft(state)
+    if drop_handle:
+        d.out.append(fx.DropPublished(handle))
+    reject_checkpoint(d, state.leases[lease_id].checkpoint_key if lease_id is not None else key)
+    if lease_id is None:
+        return d.step(None)
+    d.acquiring = without(d.acquiring, handle)
+    return d.step(plan_acquire(d, lease_id, handle))
 
 
 def peek(state: ServiceState, e: ev.PeekPrefixLen) -> Step:

@@ -220,10 +220,28 @@ def spill_pays(d: Draft, entry: Entry, counted: bool = True) -> bool:
 # ---------------------------------------------------------------- keeping published state
 
 
-def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes: int, file_bytes: int,
-         trimmable: bool, session: str | None, protected: bool, notify: bool) -> object:
-    """Keep the state staged under ``handle`` as an entry (making room by policy), or drop it;
-    the reply (the effects go to the draft)."""
+@attrs.frozen
+class Offer:
+    """State offered for keeping: the caches staged under ``handle`` covering ``tokens`` in
+    ``namespace``, their bytes in RAM and on disk, whether they can be cut back, the session that
+    published them, whether a retention rule protects them, and whether observers hear of them."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    handle: int
+    nbytes: int
+    file_bytes: int
+    trimmable: bool
+    session: str | None = None
+    protected: bool = False
+    notify: bool = True
+
+
+def keep(d: Draft, offer: Offer) -> object:
+    """Keep the state ``offer`` stages as an entry (making room by policy), or drop it; the reply (the
+    effects go to the draft)."""
+    namespace, tokens, handle, nbytes = offer.namespace, offer.tokens, offer.handle, offer.nbytes
+    file_bytes, trimmable, session = offer.file_bytes, offer.trimmable, offer.session
     data = packed(tokens)  # what the state keeps: the packed ids, never a tuple of them (see core/tokens.py)
     existing = d.ram.index.exact(namespace, data)
     if existing is not None:
@@ -253,8 +271,8 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         d.ram.bytes += entry.nbytes
         d.out.append(fx.AdoptPublished(handle, entry.id))
     else:
-        entry = Entry(d.new_entry_id(), namespace, data, nbytes, trimmable, R.RAM, d.now, session, protected, tag,
-                      file_bytes=file_bytes)
+        entry = Entry(d.new_entry_id(), namespace, data, nbytes, trimmable, R.RAM, d.now, session, offer.protected,
+                      tag, file_bytes=file_bytes)
         d.set_entry(entry)
         d.ram.bytes += nbytes
         insert_ram(d, entry)
@@ -266,7 +284,7 @@ def keep(d: Draft, namespace: str, tokens: tuple[int, ...], handle: int, nbytes:
         _drop_served_prefixes(d, entry)
     if session is not None:
         d.sessions = d.sessions.set(session, (namespace, data))
-    if notify:
+    if offer.notify:
         d.out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(tokens))))
     d.count("kept")
     return Kept(entry.id)

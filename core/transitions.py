@@ -30,9 +30,9 @@ from typing import Any, Callable
 from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, requests, reuse, sharing, tiers
 from kvstate.core.admission import own_bytes
 from kvstate.core.checks import ensure_open, keeps
-from kvstate.core.checkpoints import checkpoint_meta
+from kvstate.core.checkpoints import checkpoint_key, checkpoint_meta
 from kvstate.core.draft import Draft, Step
-from kvstate.core.reuse import checkpoint_key, usable_length
+from kvstate.core.reuse import usable_length
 from kvstate.core.state import ServiceState, check_namespace
 from kvstate.core.tiers import optional_bytes
 from kvstate.effects import completions as done
@@ -74,6 +74,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.PeekPrefixLen: reuse.peek,
     ev.SharedWait: sharing.shared_wait,
     ev.Checkpoint: checkpoints.checkpoint,
+    ev.PlanCheckpoint: checkpoints.plan_checkpoint,
     ev.Prefetch: _prefetch,
     ev.ObjectGet: objects.object_get,
     ev.ObjectPut: objects.object_put,
@@ -92,8 +93,8 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     done.RestoreFailed: reuse.restore_failed,
     done.CheckpointWritten: checkpoints.checkpoint_written,
     done.CheckpointFailed: checkpoints.checkpoint_failed,
-    done.CheckpointResumed: checkpoints.checkpoint_resumed,
-    done.ResumeFailed: checkpoints.resume_failed,
+    done.CheckpointResumed: reuse.checkpoint_resumed,
+    done.ResumeFailed: reuse.resume_failed,
     done.Synced: lifecycle.synced,
 }
 

@@ -27,7 +27,7 @@ from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (
     OBJECTS, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
 )
-from kvstate.core.transitions import checkpoint_meta, optional_bytes, step
+from kvstate.core.transitions import optional_bytes, step
 from kvstate.effects.effects import CheckpointMeta, DiskKey
 from kvstate.interpreters.base import CacheFacts, Interpreter
 from kvstate.models.spec import ModelSpec
@@ -289,11 +289,10 @@ class KvCacheService:
             facts = self._interpreter.stage(handle, caches)
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered
-                # The file is measured for a lease the core gave a checkpoint key; for any other the core
-                # refuses the checkpoint itself, with its own error.
-                held, file_bytes = self._state.leases.get(lease), 0
-                if held is not None and held.checkpoint_key is not None and isinstance(generated_tokens, int):
-                    meta = checkpoint_meta(held, generated_tokens, pending_token)
+                # The file is measured for a checkpoint the core plans; for any other the core refuses the
+                # checkpoint itself, with its own error.
+                meta, file_bytes = self._run(ev.PlanCheckpoint(lease, generated_tokens, pending_token)), 0
+                if meta is not None:
                     file_bytes = self._interpreter.checkpoint_file_bytes(handle, meta, tokens)
                 return self._run(ev.Checkpoint(lease, handle, tokens, covered, generated_tokens,
                                                pending_token, facts.nbytes, file_bytes))

@@ -10,8 +10,8 @@ rejected and counted, as any foreign file is.
 
 Files are encoded on the caller's thread (the only mlx work) and committed by
 plain file I/O (:mod:`~kvstate.interpreters.mlx.file_io`; the safetensors framing is
-:mod:`~kvstate.interpreters.mlx.framing`), so a background writer never touches mlx. Writes are atomic: a temp file in the same directory, fsync, rename, fsync of
-the directory; a crash leaves either the old state or the new, never half a
+:mod:`~kvstate.interpreters.mlx.framing`), so a background writer never touches mlx. Writes are
+atomic: a temp file in the same directory, fsync, rename, fsync of the directory; a crash leaves either the old state or the new, never half a
 file under a real name (stale temp files are removed at scan). Reads check the
 header against the file's size and the store's identity, and (by default) every
 tensor's hash; a file that fails is moved to ``rejected/`` with its reason and
