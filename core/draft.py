@@ -5,8 +5,8 @@ and indexes in it are persistent values, so nothing the caller holds changes),
 appends the effects it decides to ``out``, and calls :meth:`Draft.build` once
 at the end. The draft never leaves the transition: a handler that raises simply
 drops it, and the caller's state is as it was. Counter increments add up in a
-dict and are applied in the build. An attempt that may fail (making room)
-:meth:`~Draft.mark`\ s the whole draft, effects included, and rolls back to it.
+dict and are applied in the build. An attempt that may fail (making room) marks
+the whole draft, effects included (:meth:`~Draft.mark`), and rolls back to it.
 """
 
 from __future__ import annotations

@@ -168,6 +168,17 @@ class ObjectPut(Event):
 
 
 @attrs.frozen
+class Lookup(Event):
+    """The longest reusable prefix of ``prompt`` in ``namespace`` (RAM, else disk where it is longer and
+    pays), into caches ``handle``, for a caller that holds no lease: a server's lookup of the state a
+    request it runs on its own starts from. Counted as a hit or a miss; nothing to release."""
+
+    prompt: tuple[int, ...]
+    namespace: str
+    handle: int
+
+
+@attrs.frozen
 class PlanCheckpoint(Event):
     """What a checkpoint of acquired ``lease`` after ``generated_tokens`` (``pending_token`` sampled, not
     yet fed) would record: its meta, for the interpreter to measure the file before it is offered."""

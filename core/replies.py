@@ -31,7 +31,7 @@ class Source(enum.Enum):
 class Acquired:
     """``acquire``'s decision: the caches in ``handle`` cover ``reused_tokens`` prompt tokens."""
 
-    lease: int
+    lease: int | None
     handle: int
     reused_tokens: int
     source: Source

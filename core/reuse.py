@@ -78,22 +78,16 @@ def wait_for(d: Draft, lease_id: int | None, handle: int, tokens: int | None) ->
     return Pending(handle)
 
 
-def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -> Acquired | Pending:
-    """The longest usable prefix (RAM first, disk if strictly longer; RAM only without ``from_disk``),
-    else fresh caches."""
-    lease = d.leases[lease_id]
-    request, namespace = lease.request, lease.namespace
-    if not keeps(d, request):
-        d.out.append(fx.MakeFresh(handle))
-        return finish_acquire(d, lease_id, handle, Served(0, Source.FRESH, counted=False))
-    ram_len, ram_entry = d.ram.index.longest(namespace, request.prompt)
-    disk_len, disk_entry = (d.disk.index.longest(namespace, request.prompt) if d.config.has_disk and from_disk
+def _choose(d: Draft, namespace: str, prompt: tuple[int, ...], from_disk: bool,
+            own: Entry | None) -> tuple[int, int | None, int, int | None]:
+    """``(ram_len, ram_entry, disk_len, disk_entry)``: the longest usable prefix in RAM, and on disk
+    where it is strictly longer and reading it beats prefilling what it adds (else a disk length of 0);
+    ``own``, a session's own entry, serves on a tie."""
+    ram_len, ram_entry = d.ram.index.longest(namespace, prompt)
+    disk_len, disk_entry = (d.disk.index.longest(namespace, prompt) if d.config.has_disk and from_disk
                             else (0, None))
     best = max(ram_len, disk_len)
-    own = _session_entry(d, request, namespace)
-    if own is not None and not from_disk and own.residence not in IN_RAM:
-        own = None
-    if own is not None and usable_length(own, request.prompt) >= best:
+    if own is not None and usable_length(own, prompt) >= best:
         # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
         if own.residence in IN_RAM:
             ram_len, ram_entry, disk_len = best, own.id, 0
@@ -102,10 +96,29 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -
     if disk_len > ram_len and not read_pays(d.pace, d.entries[disk_entry].file_bytes, disk_len - ram_len):
         d.count("restores_passed_up")  # prefilling what the file adds is faster here than reading it
         disk_len = 0
+    return ram_len, ram_entry, disk_len, disk_entry
+
+
+def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
+    entry = d.entries[entry_id]
+    d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), length, handle))
+    d.reading = d.reading.set(entry.id, d.reading.get(entry.id, 0) + 1)
+
+
+def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -> Acquired | Pending:
+    """The longest usable prefix (RAM first, disk if strictly longer; RAM only without ``from_disk``),
+    else fresh caches."""
+    lease = d.leases[lease_id]
+    request, namespace = lease.request, lease.namespace
+    if not keeps(d, request):
+        d.out.append(fx.MakeFresh(handle))
+        return finish_acquire(d, lease_id, handle, Served(0, Source.FRESH, counted=False))
+    own = _session_entry(d, request, namespace)
+    if own is not None and not from_disk and own.residence not in IN_RAM:
+        own = None
+    ram_len, ram_entry, disk_len, disk_entry = _choose(d, namespace, request.prompt, from_disk, own)
     if disk_len > ram_len:
-        entry = d.entries[disk_entry]
-        d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), disk_len, handle))
-        d.reading = d.reading.set(entry.id, d.reading.get(entry.id, 0) + 1)
+        _restore(d, disk_entry, disk_len, handle)
         return wait_for(d, lease_id, handle, disk_len)
     if ram_len > 0:
         entry = d.entries[ram_entry]
@@ -114,6 +127,40 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -
         return finish_acquire(d, lease_id, handle, Served(ram_len, Source.RAM, entry.id))
     d.out.append(fx.MakeFresh(handle))
     return finish_acquire(d, lease_id, handle, Served(0, Source.FRESH))
+
+
+def lookup(state: ServiceState, e: ev.Lookup) -> Step:
+    """A reusable prefix for a caller that holds no lease (:class:`~kvstate.core.events.Lookup`)."""
+    ensure_open(state, "lookup")
+    namespace = check_namespace(e.namespace)
+    d = Draft(state)
+    return d.step(_look_up(d, namespace, e.prompt, e.handle, from_disk=True))
+
+
+def _look_up(d: Draft, namespace: str, prompt: tuple[int, ...], handle: int, from_disk: bool) -> Acquired | Pending:
+    if d.ram.capacity == 0:
+        d.out.append(fx.MakeFresh(handle))  # a service that keeps nothing serves nothing: not a miss
+        return Acquired(None, handle, 0, Source.FRESH)
+    ram_len, ram_entry, disk_len, disk_entry = _choose(d, namespace, prompt, from_disk, None)
+    if disk_len > ram_len:
+        _restore(d, disk_entry, disk_len, handle)
+        d.acquiring = d.acquiring.set(handle, Waiting(None, disk_len, lookup=(namespace, prompt)))
+        return Pending(handle)
+    if ram_len > 0:
+        entry = d.entries[ram_entry]
+        d.out.append(fx.CloneEntry(entry.id, ram_len, handle))
+        touch(d, entry)
+    else:
+        d.out.append(fx.MakeFresh(handle))
+    return _looked_up(d, handle, ram_len, Source.RAM if ram_len else Source.FRESH)
+
+
+def _looked_up(d: Draft, handle: int, reused: int, source: Source) -> Acquired:
+    """A lookup is answered: counted as a hit or a miss (it has no session)."""
+    d.acquiring = without(d.acquiring, handle)
+    d.count("hits" if reused > 0 else "misses")
+    d.count("prefill_tokens_saved", reused)
+    return Acquired(None, handle, reused, source)
 
 
 def _session_entry(d: Draft, request: Request, namespace: str) -> Entry | None:
@@ -170,6 +217,11 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     if waiting is None:
         d.out.append(fx.DropPublished(e.handle))
         return d.step(None)
+    if waiting.lookup is not None:
+        if entry is not None:
+            touch(d, entry, disk=True)
+        d.count("restores")
+        return d.step(_looked_up(d, e.handle, waiting.tokens, Source.DISK))
     if waiting.lease is None:  # an object read from disk
         d.acquiring = without(d.acquiring, e.handle)
         if entry is not None:
@@ -196,6 +248,9 @@ def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
     if waiting is None:
         return d.step(None)
     d.acquiring = without(d.acquiring, e.handle)
+    if waiting.lookup is not None:  # planned again without the file, as an acquire's fallback is
+        namespace, prompt = waiting.lookup
+        return d.step(_look_up(d, namespace, prompt, e.handle, from_disk=not io_error))
     if waiting.lease is None:  # an object whose file was rejected: a miss
         d.count("object_misses")
         return d.step(ObjectMissing())

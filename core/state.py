@@ -366,11 +366,13 @@ class Pace:
 
 @attrs.frozen
 class Waiting:
-    """An acquire (``lease``) or an object get (``lease`` None) parked on a read of ``tokens`` tokens
-    (None for a checkpoint resume: its reply counts the prompt it resumes)."""
+    """An acquire (``lease``), a lookup (``lookup``: its namespace and prompt, no lease) or an object
+    get (neither) parked on a read of ``tokens`` tokens (None for a checkpoint resume: its reply counts
+    the prompt it resumes)."""
 
     lease: int | None
     tokens: int | None
+    lookup: tuple[str, tuple[int, ...]] | None = None
 
 
 @attrs.frozen(slots=False)

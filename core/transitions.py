@@ -72,6 +72,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.CloseSession: requests.close_session,
     ev.Acquire: reuse.acquire,
     ev.PeekPrefixLen: reuse.peek,
+    ev.Lookup: reuse.lookup,
     ev.SharedWait: sharing.shared_wait,
     ev.Checkpoint: checkpoints.checkpoint,
     ev.PlanCheckpoint: checkpoints.plan_checkpoint,

@@ -238,6 +238,15 @@ class KvCacheService:
             caches = self._interpreter.take(reply.handle)
             return AcquiredState(caches, reply.reused_tokens, reply.source, reply.resumed, reply.resumed_tokens)
 
+    def lookup(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> AcquiredState:
+        """The longest reusable prefix of ``prompt`` (RAM, else disk where longer and faster than a
+        prefill) in caches the caller owns, for a caller that holds no lease (a server's request it runs
+        on its own, already admitted elsewhere): counted as a hit or a miss, nothing to release."""
+        with self._lock:
+            handle = next(self._handles)
+            reply = self._run(ev.Lookup(as_tokens(prompt), namespace, handle))
+            return AcquiredState(self._interpreter.take(reply.handle), reply.reused_tokens, reply.source)
+
     def keeps(self, request: Request) -> bool:
         """Whether state ``request`` publishes may be kept (skip copying it otherwise)."""
         return self._run(ev.Keeps(request))

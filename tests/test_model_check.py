@@ -152,6 +152,15 @@ class BaseMachine(RuleBasedStateMachine):
         self.before_acquire()
         self.check_acquire(live, self.service.acquire(live.request, live.namespace))
 
+    @rule(prompt=prompts, namespace=st.sampled_from(["x", "y"]))
+    def look_up(self, prompt, namespace):
+        """A lookup for a request admitted elsewhere: the longest reusable prefix, no lease held."""
+        self.before_acquire()
+        state = self.service.lookup(prompt, namespace)
+        assert state.caches.tokens == prompt[:state.reused_tokens]
+        self.check_lookup(namespace, prompt, state.reused_tokens)
+        assert self.service.report().live_requests == len(self.live)
+
     def before_acquire(self):
         """What a machine notes before an acquire, to judge it after (nothing, by default)."""
 
@@ -282,6 +291,13 @@ class ExactServiceMachine(BaseMachine):
             self.session_misses += not own
         live.caches = state.caches
 
+    def check_lookup(self, namespace, prompt, reused):
+        expected = longest_usable(self.reference.held(), namespace, prompt)
+        assert reused == expected
+        self.hits += expected > 0
+        self.misses += expected == 0
+        self.tokens_saved += expected
+
     def check_publish(self, live, tokens, kept):
         size = reference_bytes(self.spec, len(tokens))
         key = (live.namespace, tokens)
@@ -377,6 +393,11 @@ class TieredServiceMachine(BaseMachine):
             published = [(ns, t, True) for ns, t in self.published]
             assert reused <= longest_usable(published, live.namespace, prompt)
         live.caches = state.caches
+
+    def check_lookup(self, namespace, prompt, reused):
+        failed_read = self.service.state.counters.read_errors > self.read_errors_before
+        assert reused == longest_usable(self.held_listing(disk=not failed_read), namespace, prompt)
+        assert reused <= longest_usable([(ns, t, True) for ns, t in self.published], namespace, prompt)
 
     def check_publish(self, live, tokens, kept):
         if kept:

@@ -122,14 +122,13 @@ class KvStatePromptCache:
             return None, tokens  # whose request this is is not known: reuse nothing
         self._tick()
         started = time.perf_counter()
-        request = admitted or Request(key, 1)
-        try:
-            state = self.service.acquire(request, namespace)
-        except KvStateError:
-            return None, tokens  # no room to admit a request nothing admitted: compute it all, keep nothing
-        finally:
-            if admitted is None:
-                self.service.release(request, completed=True)
+        if admitted is None:  # a request admission holds elsewhere (served on its own): a lookup, no lease
+            state = self.service.lookup(key, namespace)
+        else:
+            try:
+                state = self.service.acquire(admitted, namespace)
+            except KvStateError:
+                return None, tokens  # the lease cannot take state now (acquired already): compute it all
         self.service.boundary()
         logging.info("kvstate: fetch of %d tokens reused %d (%s) in %.1f ms", len(tokens), state.reused_tokens,
                      state.source.name.lower(), 1e3 * (time.perf_counter() - started))
