@@ -56,6 +56,23 @@ def test_every_serving_path_keeps_each_tenants_state_to_itself(model_dir, tmp_pa
             assert own == 0 and metrics["kvstate_kept_total"] == 0
         else:
             assert own >= reply.usage.prompt_tokens - 1
+        private = [{"role": "user", "content": "Tenant C only: the launch code is 0451, keep it."}]
+        third = turn("tenant-c", private)
+        private += [{"role": "assistant", "content": third.choices[0].message.content},
+                    {"role": "user", "content": "Repeat it."}]
+    finally:
+        server.stop()
+    if path != "seeded":
+        return
+    # What the disk kept is the tenant's too: after a restart, from disk, only tenant C reuses it (others
+    # share at most the chat template's first tokens with state of their own).
+    server = Server(model_dir, "--disk-dir", str(tmp_path / "disk"), "--disk-bytes", "64MiB", *flags,
+                    log=tmp_path / "restarted.log")
+    try:
+        assert turn(None, private).usage.prompt_tokens_details.cached_tokens < third.usage.prompt_tokens // 2
+        assert turn("tenant-b", private).usage.prompt_tokens_details.cached_tokens < third.usage.prompt_tokens // 2
+        assert turn("tenant-c", private).usage.prompt_tokens_details.cached_tokens >= third.usage.prompt_tokens - 1
+        assert server.metrics()["kvstate_restores_total"] >= 1
     finally:
         server.stop()
 

@@ -250,13 +250,14 @@ class BatchAdmission:
 
     def measure(self, batch_bytes: int) -> None:
         """The batch holds ``batch_bytes`` after a step: admission goes by it, and kept RAM the batch
-        has grown into is given back now (spilled first), not at the next fetch or insert."""
+        has grown into is given back now (spilled first), not at the next fetch or insert (the core
+        decides what, at the boundary)."""
         self.service.measure_batch(batch_bytes)
-        budget = self.service.config.kv_budget_bytes
-        if budget is not None and batch_bytes + self.cache.nbytes > budget:
+        if self.service.config.kv_budget_bytes is not None:
             self.service.boundary()
+        held = batch_bytes + self.cache.nbytes
         self.peak_batch_bytes = max(self.peak_batch_bytes, batch_bytes)
-        self.peak_held_bytes = max(self.peak_held_bytes, batch_bytes + self.cache.nbytes)
+        self.peak_held_bytes = max(self.peak_held_bytes, held)
 
 
 #: ``BatchAdmission._admit``'s verdicts.
