@@ -66,6 +66,19 @@ class KVCodec:
             cache.keys, cache.values, cache.offset = arrays["keys"], arrays["values"], int(meta["offset"])
         return cache
 
+    def span(self, cache: KVCache, start: int, stop: int) -> dict[str, mx.array]:
+        """Positions ``start`` to ``stop`` as new arrays: one block's share of this layer."""
+        return {"keys": cache.keys[..., start:stop, :], "values": cache.values[..., start:stop, :]}
+
+    def joined(self, spans: list[dict[str, mx.array]], like: KVCache) -> KVCache:
+        """A cache of the consecutive ``spans``, first position first, of ``like``'s kind."""
+        cache = KVCache()
+        if spans:
+            cache.keys = mx.concatenate([s["keys"] for s in spans], axis=2)
+            cache.values = mx.concatenate([s["values"] for s in spans], axis=2)
+            cache.offset = cache.keys.shape[2]
+        return cache
+
 
 class RotatingCodec:
     """A sliding window: trimmable until it wraps, then only its exact position."""
@@ -150,6 +163,22 @@ class QuantizedCodec:
             cache.keys = tuple(arrays[f"keys.{i}"] for i in range(3))
             cache.values = tuple(arrays[f"values.{i}"] for i in range(3))
             cache.offset = int(meta["offset"])
+        return cache
+
+    def span(self, cache: QuantizedKVCache, start: int, stop: int) -> dict[str, mx.array]:
+        """Positions ``start`` to ``stop`` of the packed data, scales and biases (quantised per position)."""
+        arrays = {f"keys.{i}": part[..., start:stop, :] for i, part in enumerate(cache.keys)}
+        arrays.update({f"values.{i}": part[..., start:stop, :] for i, part in enumerate(cache.values)})
+        return arrays
+
+    def joined(self, spans: list[dict[str, mx.array]], like: QuantizedKVCache) -> QuantizedKVCache:
+        cache = QuantizedKVCache(group_size=like.group_size, bits=like.bits)
+        if spans:
+            def join(name: str) -> mx.array:
+                return mx.concatenate([s[name] for s in spans], axis=2)
+            cache.keys = tuple(join(f"keys.{i}") for i in range(3))
+            cache.values = tuple(join(f"values.{i}") for i in range(3))
+            cache.offset = cache.keys[0].shape[2]
         return cache
 
 
