@@ -21,11 +21,12 @@ import dataclasses
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
@@ -389,7 +390,22 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        return serve(options, server_argv)
+        status = serve(options, server_argv)
     except ServerInternalsMoved as error:
         print(f"kvstate serve: {error}", file=sys.stderr)
         return 2
+    leave(status)
+
+
+def leave(status: int) -> NoReturn:
+    """End the server's process with ``status`` once its state is closed (flushed, logged): the logs
+    and streams are flushed, and the process exits without the interpreter's teardown, in which MLX's
+    threads, destroyed under a thread still finishing, abort now and then ("terminate called without
+    an active exception", exit 134) after a clean stop: a supervisor would see a crash."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
