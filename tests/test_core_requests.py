@@ -5,13 +5,17 @@ counters, effects, replies and pins that follow."""
 import re
 
 import attrs
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from kvstate.core import events as ev
+from kvstate.core.admission import alone_bytes
+from kvstate.core.checks import most_tokens_within
 from kvstate.core.errors import InvalidRequest, OverBudget, RequestKeepsNoState
 from kvstate.core.replies import Admission, MaxTokensFit, Pending, Source
 from kvstate.core.request import Request
-from kvstate.core.state import Phase
+from kvstate.core.state import Phase, ServiceConfig
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from tests.core_driver import SPEC, Core, on_disk_only, tiered
@@ -208,3 +212,22 @@ def test_the_default_max_tokens_is_lowered_to_what_fits_and_a_requested_one_is_r
     assert "KV budget of" in budgeted(ev.FitMaxTokens(60, 11, requested=True)).refusal
     with pytest.raises(InvalidRequest, match="max_tokens"):
         core(ev.FitMaxTokens(60, 0, requested=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.integers(0, 300), off=st.sampled_from([-1, 0, 1]), step=st.sampled_from([None, 1, 16, 256]))
+def test_the_most_tokens_within_a_budget_are_what_a_naive_count_finds(tokens, off, step):
+    config = ServiceConfig(model=SPEC, ram_capacity_bytes=0, batch_padding_step=step)
+    budget = max(0, alone_bytes(config, tokens) + off)
+    naive = 0
+    while alone_bytes(config, naive + 1) <= budget:
+        naive += 1
+    assert most_tokens_within(config, budget) == naive
+
+
+def test_a_default_max_tokens_lowered_to_one_token_still_runs_and_a_budget_below_one_position_refuses():
+    spec = attrs.evolve(SPEC, context_limit=100)
+    assert Core(model=spec)(ev.FitMaxTokens(99, 512, requested=False)) == MaxTokensFit(1)
+    tiny = Core(model=spec, kv_budget_bytes=spec.bytes_for(1) - 1)
+    assert "leaves no room" in tiny(ev.FitMaxTokens(0, 512, requested=False)).refusal
+    assert "KV budget" in tiny(ev.FitMaxTokens(0, 1, requested=True)).refusal
