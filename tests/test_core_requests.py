@@ -210,6 +210,7 @@ def test_the_default_max_tokens_is_lowered_to_what_fits_and_a_requested_one_is_r
     budgeted = Core(model=spec, kv_budget_bytes=spec.bytes_for(70))
     assert budgeted(ev.FitMaxTokens(60, 512, requested=False)) == MaxTokensFit(10)
     assert "KV budget of" in budgeted(ev.FitMaxTokens(60, 11, requested=True)).refusal
+    assert budgeted(ev.FitMaxTokens(60, 10, requested=True)) == MaxTokensFit(10)  # exactly the budget runs
     with pytest.raises(InvalidRequest, match="max_tokens"):
         core(ev.FitMaxTokens(60, 0, requested=True))
 
