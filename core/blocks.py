@@ -76,7 +76,7 @@ class Block:
     parent: bytes | None
     tokens: bytes = attrs.field(repr=lambda t: f"<{len(t) // WIDTH} tokens>")
     position: int
-    children: int = 0
+    children: int
 
 
 @attrs.frozen

@@ -135,3 +135,4 @@ def test_a_table_keeps_only_the_blocks_it_lacks_and_names_an_unknown_block():
         table.remove(b"\0" * 16)
     with pytest.raises(ValueError):
         chain("n", (1, 2), 0)
+    assert len(chain("n", (1, 2, 3), 1)) == 3                        # a block may hold a single token

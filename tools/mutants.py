@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HYPOTHESIS_SEED = [0]
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
 TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/test_core_objects.py",
-         "tests/test_core_checkpoints.py", "tests/test_core_lifecycle.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py", "tests/test_tokens.py", "tests/test_errors.py",
+         "tests/test_core_checkpoints.py", "tests/test_core_lifecycle.py", "tests/test_core_reuse.py",
+         "tests/test_blocks.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py",
+         "tests/test_tokens.py", "tests/test_errors.py",
          "tests/test_entry_lifecycle.py", "tests/test_sharing.py", "tests/test_padded_batch_admission.py",
          "tests/test_objects_and_pressure.py", "tests/test_semantic_mistakes.py", "tests/test_contract.py",
          "tests/test_core_and_lab_policies.py", "tests/test_against_libcachesim.py",
