@@ -61,7 +61,7 @@ def chain(namespace: str, prompt: tuple[int, ...] | bytes, block_tokens: int = B
     data = prompt if isinstance(prompt, bytes) else packed(prompt)
     step = block_tokens * WIDTH
     keys, parent = [], namespace_key(namespace)
-    for start in range(0, len(data) - step + 1, step):
+    for start in range(0, len(data) // step * step, step):  # full blocks only
         parent = block_key(parent, data[start:start + step])
         keys.append(parent)
     return tuple(keys)

@@ -11,7 +11,7 @@ from kvstate.core.policies import POLICIES
 from kvstate.core.state import OBJECTS
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
-from tests.core_driver import R, checkpointing, tiered
+from tests.core_driver import R, checkpointing, tiered, on_disk_only
 
 
 def test_ram_query_answers_entries_and_bytes_and_each_entry_where_asked():
@@ -20,6 +20,9 @@ def test_ram_query_answers_entries_and_bytes_and_each_entry_where_asked():
     core.keep((7, 8), nbytes=5, namespace="b")
     assert core(ev.RamQuery()) == RamHeld(2, 15)
     assert set(core(ev.RamQuery(each=True)).each) == {HeldEntry("a", (1, 2, 3), 10), HeldEntry("b", (7, 8), 5)}
+    core(ev.ObjectPut("img", 90, 4, 4))                              # an object in RAM: not a prefix
+    on_disk_only(core, (20, 21, 22))                                 # a prefix on disk only: not in RAM
+    assert {held.tokens for held in core(ev.RamQuery(each=True)).each} == {(1, 2, 3), (7, 8)}
 
 
 def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():

@@ -363,6 +363,7 @@ def test_a_boundary_gives_back_while_ram_is_over_its_byte_or_entry_limit_and_sto
     assert core(ev.Boundary(max_bytes=25)) == GaveBack(1, 10)     # 30 held: one goes, the policy's victim
     assert core.residence(first) is None
     assert core(ev.Boundary(max_bytes=25)) == GaveBack(0, 0)      # 20 held: within, nothing more
+    assert core(ev.Boundary(max_bytes=20)) == GaveBack(0, 0)      # exactly the limit is within it
     assert core(ev.Boundary(max_entries=1)) == GaveBack(1, 10) and core.residence(second) is None
     assert core(ev.Boundary(max_entries=1)) == GaveBack(0, 0) and core.residence(third) is R.RAM
 
@@ -375,6 +376,10 @@ def test_ram_held_to_the_kv_budget_gives_back_what_the_running_requests_need():
     core(ev.Admit(1, Request(tuple(range(100, 105)), 10)))        # 15 positions projected: 5 left for RAM
     assert core(ev.Boundary()) == GaveBack(1, SPEC.bytes_for(10)) and core.residence(kept) is None
     assert Core(ram_capacity_bytes=budget, kv_budget_bytes=budget)(ev.Boundary()) == GaveBack(0, 0)
+    exact = Core(ram_capacity_bytes=budget, kv_budget_bytes=budget, ram_within_kv_budget=True)
+    exact.keep(tuple(range(1, 6)), nbytes=SPEC.bytes_for(5))
+    exact(ev.Admit(1, Request(tuple(range(100, 105)), 10)))       # 15 projected: exactly 5 left, all held
+    assert exact(ev.Boundary()) == GaveBack(0, 0)
 
 
 @pytest.mark.parametrize("limits", [{"max_bytes": -1}, {"max_entries": "2"}, {"max_bytes": True}])
