@@ -56,3 +56,14 @@ def test_a_lookup_in_a_namespace_that_is_not_one_is_refused_and_changes_nothing(
     with pytest.raises(InvalidNamespace):
         lookup(core, (1, 2, 3), namespace="a/b")
     assert core.state == before
+
+
+def test_a_lookup_that_reads_a_file_after_an_io_error_ends_its_run_of_errors_and_counts_as_the_disks_use():
+    core = tiered()
+    saved = on_disk_only(core, (1, 2, 3, 4, 5, 6))
+    assert lookup(core, (1, 2, 3, 4, 5, 6, 7)) == Pending(50)
+    assert lookup(core, (1, 2, 3, 4, 5, 6, 7), handle=51) == Pending(51)  # a second reader, the first fails
+    core(done.RestoreFailed(saved, 50, done.FailureReason.IO_ERROR))
+    assert core.state.entries[saved].read_errors == 1
+    assert core(done.RestoreDone(saved, 51)) == Acquired(None, 51, 6, Source.DISK)
+    assert core.state.entries[saved].read_errors == 0               # a good read ends the run
