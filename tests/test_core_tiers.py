@@ -428,6 +428,18 @@ def test_an_idle_entry_whose_write_is_in_flight_leaves_ram_once_written():
     assert core.counts() == {"kept": 1, "spills": 1, "demotions": 1, "bytes_written": 10}
 
 
+def test_a_use_restarts_an_entrys_idle_time():
+    core = Core(demote_idle_after=10.0, disk_capacity_bytes=1000)
+    entry = core.keep((1, 2, 3)).entry
+    core.settle_writes()
+    core(ev.Tick(8.0))
+    core.acquire((1, 2, 3, 4))                  # used at 8: idle 7 s at 15, not 15 s
+    core(ev.Tick(15.0))
+    assert core.residence(entry) is R.BOTH
+    core(ev.Tick(18.5))                         # idle 10.5 s now: given back
+    assert core.residence(entry) is R.DISK
+
+
 def test_prefetch_reads_a_longer_disk_prefix_into_ram_and_refuses_everything_else():
     core = tiered()
     entry = on_disk_only(core, (1, 2, 3))
