@@ -225,11 +225,10 @@ class SimulatorInterpreter(HeldState):
 
     def stage_object(self, handle: int, value: object) -> int:
         """Hold a tensor object under ``handle``; its bytes."""
-        obj = value
-        if not isinstance(obj, SimObject) or not isinstance(obj.nbytes, int) or obj.nbytes < 0:
-            raise InvalidRequest(f"the simulator keeps SimObject values, got {type(obj).__name__}")
-        self._handles[handle] = obj
-        return obj.nbytes
+        if not isinstance(value, SimObject) or not isinstance(value.nbytes, int) or value.nbytes < 0:
+            raise InvalidRequest(f"the simulator keeps SimObject values, got {type(value).__name__}")
+        self._handles[handle] = value
+        return value.nbytes
 
     def take_object(self, handle: int) -> SimObject:
         return self._handles.pop(handle)
