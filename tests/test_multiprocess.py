@@ -99,7 +99,10 @@ def test_two_models_under_one_root_keep_their_budgets_and_lose_nothing_durable(t
         time.sleep(0.01)
     results = []
     for child in children:
-        out, err = child.communicate(timeout=120)
+        # Read through the same buffered pipes as the first line: communicate() reads the raw pipe and
+        # would miss a last line that readline() had already buffered (a child that ended quickly).
+        out, err = child.stdout.read(), child.stderr.read()
+        child.wait(timeout=120)
         assert child.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert samples > 5
