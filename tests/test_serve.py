@@ -444,18 +444,15 @@ def _burst(server: Server, n: int = 4) -> list[int]:
 
 
 def test_requests_arriving_together_reuse_the_prefix_the_first_one_computes(model_dir):
-    """Without a wait, four requests that share a system prompt all compute it; with the wait, the
-    later ones reuse what the first one published at the end of its system segment."""
-    never = Server(model_dir, "--ram-bytes", "64MiB", "--shared-prefix-wait", "0")
-    try:
-        assert sum(_burst(never)) == 0
-    finally:
-        never.stop()
-    waiting = Server(model_dir, "--ram-bytes", "64MiB")
+    """Four requests that share a system prompt nothing holds: whether they meet in the queue or
+    arrive one after another, every one after the first reuses what the first published at the end of
+    its system segment. The wait is long enough that it ends on that publish, never on its timer, so
+    the outcome does not depend on the machine's speed; which requests meet does, so that is left to
+    the admission's own tests (tests/test_serving_admission.py, tests/test_sharing.py)."""
+    waiting = Server(model_dir, "--ram-bytes", "64MiB", "--shared-prefix-wait", "600")
     try:
         cached = sorted(_burst(waiting))
         assert cached[0] == 0 and all(tokens > 300 for tokens in cached[1:])
-        assert waiting.metrics()["kvstate_shared_prefix_waits_total"] >= 1
     finally:
         waiting.stop()
 
