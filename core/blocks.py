@@ -29,6 +29,7 @@ import immutables
 
 from kvstate.core.errors import UsageError
 from kvstate.core.tokens import WIDTH, ids_of, packed
+from kvstate.effects.effects import BlockName
 
 #: Tokens per block (see the module's docstring for why 256).
 BLOCK_TOKENS = 256
@@ -65,6 +66,44 @@ def chain(namespace: str, prompt: tuple[int, ...] | bytes, block_tokens: int = B
         parent = block_key(parent, data[start:start + step])
         keys.append(parent)
     return tuple(keys)
+
+
+def spans(length: int, block_tokens: int = BLOCK_TOKENS) -> tuple[tuple[int, int], ...]:
+    """The ``(start, stop)`` positions of the blocks a prefix of ``length`` tokens is kept in: its full
+    blocks, then the tokens past the last one (a partial last block, kept so the prefix is served
+    whole, not recomputed from the last boundary; a longer prefix's full block supersedes it)."""
+    full = length // block_tokens * block_tokens
+    out = [(start, start + block_tokens) for start in range(0, full, block_tokens)]
+    if full < length:
+        out.append((full, length))
+    return tuple(out)
+
+
+def block_names(namespace: str, prompt: tuple[int, ...], block_tokens: int = BLOCK_TOKENS) -> tuple[BlockName, ...]:
+    """The names of the blocks a prefix of ``prompt`` is kept in (:func:`spans`), first to last."""
+    data = packed(prompt)
+    names, parent = [], namespace_key(namespace)
+    for start, stop in spans(len(prompt), block_tokens):
+        key = block_key(parent, data[start * WIDTH:stop * WIDTH])
+        names.append(BlockName(namespace, key, parent, start, tuple(prompt[start:stop])))
+        parent = key
+    return tuple(names)
+
+
+def saved_chains(names) -> list[tuple[str, tuple[int, ...]]]:
+    """``(namespace, tokens)`` of the prefix each named block ends, where every block of its chain is
+    among ``names`` (objects with a block name's ``namespace``, ``key``, ``parent``, ``start`` and
+    ``tokens``)."""
+    by_key = {(name.namespace, name.key): name for name in names}
+    out = []
+    for name in by_key.values():
+        runs, at = [name.tokens], name
+        while at.start > 0 and (at.namespace, at.parent) in by_key:
+            at = by_key[at.namespace, at.parent]
+            runs.append(at.tokens)
+        if at.start == 0 and at.parent == namespace_key(at.namespace):
+            out.append((name.namespace, tuple(token for run in reversed(runs) for token in run)))
+    return out
 
 
 @attrs.frozen

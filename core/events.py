@@ -81,6 +81,9 @@ class Publish(Event):
     trimmable: bool
     #: The bytes the file saving this state would take (0 without a disk tier).
     file_bytes: int
+    #: Where the config keeps state in blocks and these caches can be cut: each block's ``(nbytes,
+    #: file_bytes)``, in the order of :func:`~kvstate.core.blocks.spans` (empty: kept whole).
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen

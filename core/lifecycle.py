@@ -10,6 +10,7 @@ evicted by the disk's policy in the order the files were last used, and counted.
 from __future__ import annotations
 
 from kvstate.core import events as ev
+from kvstate.core.blocks import block_key, namespace_key
 from kvstate.core.checkpoints import found_at_scan
 from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
@@ -21,13 +22,78 @@ from kvstate.core.state import (
     EMPTY, IN_RAM, OBJECTS, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
 from kvstate.core.tiers import (
-    boundary as give_back_one, drop_ram, insert_disk, make_disk_room, over_limits, start_spill, tick as clock_tick,
+    boundary as give_back_one, count_child, drop_ram, insert_disk, make_disk_room, over_limits, ram_prefixes,
+    start_spill, tick as clock_tick,
 )
 from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
 R = Residence
+
+
+def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
+    """Saved blocks enter the disk tier in the order they were last used, each after the block it
+    extends; a block whose parent is not saved (or went to make room) serves nothing and is deleted, as
+    is one whose name does not hash to its key. The bytes found."""
+    waiting: dict[tuple[str, bytes], list[done.SavedBlock]] = {}
+    entered: dict[tuple[str, bytes], int] = {}
+    found = 0
+
+    def enter(block: done.SavedBlock, parent: Entry | None) -> None:
+        nonlocal found
+        name = block.name
+        found += block.file_bytes
+        path = (parent.packed if parent is not None else b"") + packed(name.tokens)
+        if d.disk.index.exact(name.namespace, path) is not None:
+            return
+        tag = content_tag(name.namespace, path)
+        d.disk.policy = d.disk.strategy.arriving(d.disk.policy, tag)
+        if not make_disk_room(d, block.file_bytes):
+            d.out.append(fx.DeleteFile(name))
+            d.count("disk_evictions")
+            return
+        entry = Entry(d.new_entry_id(), name.namespace, path, block.nbytes, True, R.DISK, d.now, None, False, tag,
+                      file_bytes=block.file_bytes, parent=parent.id if parent is not None else None,
+                      start=name.start, block=name.key)
+        d.set_entry(entry)
+        count_child(d, entry, children=1)
+        d.disk.bytes += entry.file_bytes
+        insert_disk(d, entry)
+        entered[name.namespace, name.key] = entry.id
+        for child in waiting.pop((name.namespace, name.key), ()):
+            parent_now = d.entries.get(entry.id)
+            if parent_now is not None and child.name.start == parent_now.length:
+                enter(child, parent_now)
+            else:
+                orphan(child)
+
+    def orphan(block: done.SavedBlock) -> None:
+        nonlocal found
+        found += block.file_bytes
+        d.out.append(fx.DeleteFile(block.name))
+        d.count("disk_evictions")
+
+    for block in sorted(saved, key=lambda b: b.used_at):
+        name = block.name
+        check_namespace(name.namespace)
+        first = name.parent == namespace_key(name.namespace)
+        parent = d.entries.get(entered.get((name.namespace, name.parent), 0)) if not first else None
+        if block_key(name.parent, packed(name.tokens)) != name.key or (first and name.start != 0):
+            orphan(block)
+        elif first or parent is not None:
+            if parent is None or parent.length == name.start:
+                enter(block, parent)
+            else:
+                orphan(block)
+        elif (name.namespace, name.parent) in entered:  # entered, then evicted to make room
+            orphan(block)
+        else:
+            waiting.setdefault((name.namespace, name.parent), []).append(block)
+    for children in waiting.values():
+        for block in children:
+            orphan(block)
+    return found
 
 
 def flush_result(state: ServiceState | Draft) -> FlushResult:
@@ -74,8 +140,8 @@ def _clear(d: Draft) -> Step:
     """The end of close(): the flush's verdict stands; RAM copies and leases go, saved state stays."""
     result = flush_result(d)
     for entry in list(d.entries.values()):
-        current = d.entries[entry.id]
-        if current.residence in (R.RAM, R.BOTH):
+        current = d.entries.get(entry.id)
+        if current is not None and current.residence in (R.RAM, R.BOTH):
             drop_ram(d, current)
     d.leases, d.projected_bytes, d.measured_bytes, d.sessions = EMPTY, 0, 0, EMPTY
     d.phase, d.close_result, d.deferred = Phase.CLOSED, result, None
@@ -119,7 +185,7 @@ def ram_query(state: ServiceState, e: ev.RamQuery) -> Step:
     if e.each:
         each = tuple(HeldEntry(entry.namespace, entry.tokens, entry.nbytes) for entry in state.entries.values()
                      if entry.residence in IN_RAM and entry.namespace != OBJECTS)
-    return Step(state, (), RamHeld(len(state.ram.index), state.ram.bytes, each))
+    return Step(state, (), RamHeld(ram_prefixes(state), state.ram.bytes, each))
 
 
 def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:
@@ -159,6 +225,7 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
         d.set_entry(entry)
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)
+    found_bytes += _scan_blocks(d, e.blocks)
     evicted = [effect for effect in d.out if isinstance(effect, fx.DeleteFile)]
     deleted += len(evicted)
     deleted_bytes += checkpoint_bytes + found_bytes - d.disk.bytes

@@ -16,10 +16,11 @@ from kvstate.core.checkpoints import forget_completed
 from kvstate.core.checks import (
     check_budget, check_context, check_sizes, ensure_open, keeps, non_negative_int,
 )
+from kvstate.core.blocks import spans
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.errors import InvalidRequest, RequestKeepsNoState, TokensDoNotMatchCaches
 from kvstate.core.replies import Admission, NotKept, NotKeptReason, Pending
-from kvstate.core.state import Lease, Phase, ServiceState, check_namespace, request_check
+from kvstate.core.state import OBJECTS, Lease, Phase, ServiceState, check_namespace, request_check
 from kvstate.core.tiers import Offer, keep
 from kvstate.effects import effects as fx
 
@@ -102,10 +103,12 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
         raise TokensDoNotMatchCaches(f"published {len(e.tokens)} tokens with caches covering {e.covered}; "
                                      f"publish exactly the tokens the caches hold")
     check_sizes(e.nbytes, e.file_bytes)
+    if e.blocks:
+        _check_blocks(state, e)
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
     d = Draft(state)
     reply = keep(d, Offer(namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
-                          protected))
+                          protected, blocks=e.blocks if e.trimmable and namespace != OBJECTS else ()))
     if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
         # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
         d = Draft(state)
@@ -113,6 +116,19 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
         d.out.append(fx.Sync())
         return d.step(Pending())
     return d.step(reply)
+
+
+def _check_blocks(state: ServiceState, e: ev.Publish) -> None:
+    """A publish in blocks names the sizes of exactly the blocks the config cuts its tokens into."""
+    block_tokens = state.config.block_tokens
+    if block_tokens is None:
+        raise InvalidRequest("a publish in blocks reached a service that keeps whole prefixes (block_tokens None)")
+    expected = len(spans(len(e.tokens), block_tokens))
+    if len(e.blocks) != expected:
+        raise InvalidRequest(f"a publish of {len(e.tokens)} tokens in blocks of {block_tokens} names "
+                             f"{len(e.blocks)} blocks' sizes; it is cut into {expected}")
+    for nbytes, file_bytes in e.blocks:
+        check_sizes(nbytes, file_bytes)
 
 
 def release(state: ServiceState, e: ev.Release):

@@ -24,7 +24,7 @@ from kvstate.core.replies import Acquired, Admission, ObjectFound, ObjectMissing
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
 from kvstate.core.requests import admit_lease
-from kvstate.core.tiers import read_error, reject, touch, unpin
+from kvstate.core.tiers import read_error, reject, saved_name, touch, unpin
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -87,22 +87,76 @@ def _choose(d: Draft, namespace: str, prompt: tuple[int, ...], from_disk: bool,
     disk_len, disk_entry = (d.disk.index.longest(namespace, prompt) if d.config.has_disk and from_disk
                             else (0, None))
     best = max(ram_len, disk_len)
+    while own is not None and own.is_block and best and own.start >= best:
+        own = d.entries.get(own.parent) if own.parent is not None else None  # the block that ends the reuse
     if own is not None and usable_length(own, prompt) >= best:
         # Affinity: on a tie the session's own state serves it (RAM copy if it has one).
         if own.residence in IN_RAM:
             ram_len, ram_entry, disk_len = best, own.id, 0
         else:
             disk_len, disk_entry, ram_len = best, own.id, 0
-    if disk_len > ram_len and not read_pays(d.pace, d.entries[disk_entry].file_bytes, disk_len - ram_len):
+    if disk_len > ram_len and not read_pays(d.pace, _read_bytes(d, d.entries[disk_entry], disk_len),
+                                            disk_len - ram_len):
         d.count("restores_passed_up")  # prefilling what the file adds is faster here than reading it
         disk_len = 0
     return ram_len, ram_entry, disk_len, disk_entry
 
 
+def chain_of(d: Draft, entry: Entry, length: int) -> list[Entry]:
+    """The blocks that serve the first ``length`` tokens through block ``entry``, first first (a whole
+    prefix is its own chain)."""
+    chain = []
+    block: Entry | None = entry
+    while block is not None:
+        if block.start < length:
+            chain.append(block)
+        block = d.entries.get(block.parent) if block.parent is not None else None
+    chain.reverse()
+    return chain
+
+
+def _read_bytes(d: Draft, entry: Entry, length: int) -> int:
+    """The bytes read from disk to serve ``length`` tokens through saved ``entry``: its file, or, for a
+    block, the files of the blocks of its chain RAM does not hold."""
+    if not entry.is_block:
+        return entry.file_bytes
+    return sum(block.file_bytes for block in chain_of(d, entry, length) if block.residence not in IN_RAM)
+
+
+def _pin(d: Draft, entry_id: int) -> None:
+    d.reading = d.reading.set(entry_id, d.reading.get(entry_id, 0) + 1)
+
+
 def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
+    """Read saved ``entry_id`` into ``handle``, trimmed to ``length``; a block's chain is assembled from
+    the blocks RAM holds and the files of those it does not (each file pinned until the read is over)."""
     entry = d.entries[entry_id]
-    d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), length, handle))
-    d.reading = d.reading.set(entry.id, d.reading.get(entry.id, 0) + 1)
+    if not entry.is_block:
+        d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), length, handle))
+        _pin(d, entry.id)
+        return
+    parts = []
+    for block in chain_of(d, entry, length):
+        if block.residence in IN_RAM:
+            parts.append(fx.BlockPart(block.id))
+            touch(d, block)
+        else:
+            parts.append(fx.BlockPart(block.id, saved_name(d, block)))
+            _pin(d, block.id)
+    d.out.append(fx.AssembleBlocks(handle, length, tuple(parts)))
+
+
+def _serve_from_ram(d: Draft, entry: Entry, length: int, handle: int) -> None:
+    """Hand the first ``length`` tokens RAM ``entry`` serves to ``handle``: a copy, or, for a block, its
+    chain assembled; every block used is touched."""
+    if not entry.is_block:
+        d.out.append(fx.CloneEntry(entry.id, length, handle))
+        touch(d, entry)
+        return
+    chain = chain_of(d, entry, length)
+    d.out.append(fx.AssembleBlocks(handle, length, tuple(fx.BlockPart(block.id) for block in chain)))
+    for block in chain:
+        touch(d, block)
 
 
 def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -> Acquired | Pending:
@@ -122,8 +176,7 @@ def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -
         return wait_for(d, lease_id, handle, disk_len)
     if ram_len > 0:
         entry = d.entries[ram_entry]
-        d.out.append(fx.CloneEntry(entry.id, ram_len, handle))
-        touch(d, entry)
+        _serve_from_ram(d, entry, ram_len, handle)
         return finish_acquire(d, lease_id, handle, Served(ram_len, Source.RAM, entry.id))
     d.out.append(fx.MakeFresh(handle))
     return finish_acquire(d, lease_id, handle, Served(0, Source.FRESH))
@@ -147,9 +200,7 @@ def _look_up(d: Draft, namespace: str, prompt: tuple[int, ...], handle: int, fro
         d.acquiring = d.acquiring.set(handle, Waiting(None, disk_len, lookup=(namespace, prompt)))
         return Pending(handle)
     if ram_len > 0:
-        entry = d.entries[ram_entry]
-        d.out.append(fx.CloneEntry(entry.id, ram_len, handle))
-        touch(d, entry)
+        _serve_from_ram(d, d.entries[ram_entry], ram_len, handle)
     else:
         d.out.append(fx.MakeFresh(handle))
     return _looked_up(d, handle, ram_len, Source.RAM if ram_len else Source.FRESH)
@@ -208,17 +259,25 @@ def finish_acquire(d: Draft, lease_id: int, handle: int, served: Served) -> Acqu
 
 def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     d = Draft(state)
-    unpin(d, e.entry)
+    read = []
+    for entry_id in e.read:
+        unpin(d, entry_id)
+        if entry_id in d.entries:
+            read.append(d.entries[entry_id])
     entry = d.entries.get(e.entry)
-    if entry is not None:
-        d.count("bytes_read", entry.file_bytes)
-        read_measured(d, entry.file_bytes, e.seconds)
+    if read:
+        read_bytes = sum(block.file_bytes for block in read)
+        d.count("bytes_read", read_bytes)
+        read_measured(d, read_bytes, e.seconds)
     waiting = d.acquiring.get(e.handle)
     if waiting is None:
         d.out.append(fx.DropPublished(e.handle))
         return d.step(None)
+    for block in read:
+        if block.is_block:
+            touch(d, d.entries[block.id], disk=True)
     if waiting.lookup is not None:
-        if entry is not None:
+        if entry is not None and not entry.is_block:
             touch(d, entry, disk=True)
         d.count("restores")
         return d.step(_looked_up(d, e.handle, waiting.tokens, Source.DISK))
@@ -229,7 +288,7 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         d.count("object_hits")
         d.count("object_restores")
         return d.step(ObjectFound(e.handle, Source.DISK))
-    if entry is not None:
+    if entry is not None and not entry.is_block:
         touch(d, entry, disk=True)
     d.count("restores")
     reply = finish_acquire(d, waiting.lease, e.handle, Served(waiting.tokens, Source.DISK, e.entry))
@@ -238,7 +297,8 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
 
 def restore_failed(state: ServiceState, e: done.RestoreFailed) -> Step:
     d = Draft(state)
-    unpin(d, e.entry)
+    for entry_id in e.read:
+        unpin(d, entry_id)
     io_error = e.reason is done.FailureReason.IO_ERROR
     if io_error:
         read_error(d, e.entry)

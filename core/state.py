@@ -144,6 +144,10 @@ class ServiceConfig:
     #: Whether kept RAM state is held, at every boundary, to what the KV budget leaves beside the
     #: running requests (their projection, or their measure where larger): one budget for both.
     ram_within_kv_budget: bool = False
+    #: Tokens per block where published KV is kept in blocks (:mod:`~kvstate.core.blocks`): each block
+    #: held once in RAM and written once to disk, shared by every prefix that contains it. None: each
+    #: published prefix is kept whole. State that cannot be cut back is always kept whole.
+    block_tokens: int | None = None
     #: Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps entries
     #: in order of last use (:mod:`~kvstate.core.idle`); worked out once, since every use asks.
     idle_rules: bool = attrs.field(init=False, eq=False, repr=False)
@@ -180,6 +184,9 @@ class ServiceConfig:
                 not isinstance(self.checkpoint_every_tokens, int) or self.checkpoint_every_tokens < 1):
             raise InvalidConfig(f"checkpoint_every_tokens must be a positive int or None, "
                                 f"got {self.checkpoint_every_tokens!r}")
+        if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or isinstance(
+                self.block_tokens, bool) or self.block_tokens < 1):
+            raise InvalidConfig(f"block_tokens must be a positive int of tokens or None, got {self.block_tokens!r}")
         object.__setattr__(self, "idle_rules", self.has_disk and (
             self.demote_idle_after is not None or (self.write_behind and self.write_idle_after is not None)))
 
@@ -194,8 +201,12 @@ class ServiceConfig:
 
 @attrs.frozen
 class Entry(PackedIds):
-    """One kept prefix: what it covers (its ids packed; ``tokens`` and ``length`` read them), its
-    bytes, and where it is."""
+    """One kept prefix, or one block of one (:mod:`~kvstate.core.blocks`): what it covers from the
+    namespace's start (its ids packed; ``tokens`` and ``length`` read them), its bytes, and where it is.
+
+    A block holds only the state of its own tokens, from ``start``; the blocks before it are its
+    ``parent``'s chain, so serving it means assembling that chain. A whole prefix has no parent and
+    starts at 0."""
 
     id: int
     namespace: str
@@ -218,12 +229,27 @@ class Entry(PackedIds):
     demote: bool = False
     #: Reads of its file that hit an I/O error in a row (an I/O error is not evidence of a bad file).
     read_errors: int = 0
+    #: A block's parent entry (None: the namespace's first block, or a whole prefix), the position its
+    #: own state starts at, and its chain key (None: a whole prefix).
+    parent: int | None = None
+    start: int = 0
+    block: bytes | None = None
+    #: How many held blocks extend it: in all, in the RAM index, in the disk index. A tier lets a block
+    #: go only once none it holds extends it, and a block goes altogether only once none does (leaf first).
+    children: int = 0
+    ram_children: int = 0
+    disk_children: int = 0
+
+    @property
+    def is_block(self) -> bool:
+        return self.block is not None
 
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
         commonest change)."""
         return Entry(self.id, self.namespace, self.packed, self.nbytes, self.trimmable, self.residence, now,
-                     self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors)
+                     self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors,
+                     self.parent, self.start, self.block, self.children, self.ram_children, self.disk_children)
 
 
 @attrs.frozen

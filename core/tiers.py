@@ -16,10 +16,11 @@ from kvstate.core.admission import held_bound
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
+from kvstate.core.blocks import block_key, namespace_key, spans
 from kvstate.core.state import (
-    OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
+    IN_RAM, OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
 )
-from kvstate.core.tokens import packed, plain
+from kvstate.core.tokens import WIDTH, ids_of, packed, plain
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -45,12 +46,31 @@ def victim(tier: TierDraft, entries, evictable: Evictable, protect: bool) -> tup
 
 
 def in_ram_evictable(entry: Entry) -> bool:
-    return entry.residence in (R.RAM, R.BOTH)
+    """Whether ``entry``'s RAM copy may be dropped now: no block RAM holds extends it, and, where it has
+    no saved copy, no held block at all (leaf first: a block never goes before what extends it)."""
+    return (entry.residence in (R.RAM, R.BOTH) and not entry.ram_children
+            and (entry.residence is R.BOTH or not entry.children))
 
 
-def make_ram_room(d: Draft, need: int) -> bool:
-    """Evict until ``need`` more bytes fit in RAM; False, with nothing changed, when pinned entries forbid."""
-    return _make_room(d, d.ram, need, in_ram_evictable, True, drop_ram, "evictions")
+def can_give_back(entry: Entry) -> bool:
+    """Whether ``entry``'s RAM may be given back (written first where it has no saved copy): no block RAM
+    holds extends it."""
+    return entry.residence in (R.RAM, R.BOTH) and not entry.ram_children
+
+
+def ram_prefixes(state) -> int:
+    """The prefixes RAM holds: its entries, where each is a whole prefix; where state is kept in blocks,
+    the blocks no RAM block extends (each the end of one held prefix)."""
+    if state.config.block_tokens is None:
+        return len(state.ram.index)
+    return sum(1 for entry in state.entries.values() if entry.residence in IN_RAM and not entry.ram_children)
+
+
+def make_ram_room(d: Draft, need: int, spare: frozenset = frozenset()) -> bool:
+    """Evict until ``need`` more bytes fit in RAM (never the entries in ``spare``: the blocks a keep
+    builds on); False, with nothing changed, when pinned entries forbid."""
+    evictable = in_ram_evictable if not spare else lambda entry: entry.id not in spare and in_ram_evictable(entry)
+    return _make_room(d, d.ram, need, evictable, True, drop_ram, "evictions")
 
 
 def make_disk_room(d: Draft, need: int) -> bool:
@@ -58,7 +78,8 @@ def make_disk_room(d: Draft, need: int) -> bool:
     reading = d.reading
 
     def evictable(entry: Entry) -> bool:
-        return entry.residence in (R.BOTH, R.DISK) and entry.id not in reading
+        return (entry.residence in (R.BOTH, R.DISK) and entry.id not in reading and not entry.disk_children
+                and (entry.residence is R.BOTH or not entry.children))
     return _make_room(d, d.disk, need, evictable, False, lambda d, e: drop_disk(d, e, delete=True),
                       "disk_evictions")
 
@@ -93,7 +114,7 @@ def drop_disk(d: Draft, entry: Entry, delete: bool) -> None:
     """Forget ``entry``'s disk copy (deleting its file when ``delete``): RAM-only if it had one."""
     after = moved(entry.residence, Move.DROP_DISK if entry.residence is not R.PREFETCHING else Move.READ_FAILED)
     if delete:
-        d.out.append(fx.DeleteFile(fx.DiskKey(entry.namespace, entry.tokens)))
+        d.out.append(fx.DeleteFile(saved_name(d, entry)))
     _leave(d, d.disk, entry, entry.file_bytes, after)
     if after is R.RAM:
         _idle_again(d, entry.id)
@@ -106,17 +127,66 @@ def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residenc
     tier.bytes -= charge
     tier.policy = tier.strategy.removed(tier.policy, entry.id)
     if after is None:
+        if entry.children:  # only where everything goes (close, a rejected file): what extends it is unusable
+            _drop_extensions(d, entry)
         d.entries = d.entries.delete(entry.id)
+        count_child(d, entry, children=-1)
     else:
-        d.set_entry(attrs.evolve(entry, residence=after, **changes))
+        d.set_entry(attrs.evolve(d.entries[entry.id], residence=after, **changes))
+    count_child(d, entry, **{"ram_children" if tier is d.ram else "disk_children": -1})
 
+
+def count_child(d: Draft, entry: Entry, **by: int) -> None:
+    """Block ``entry`` entered or left a tier, or was made or forgotten: its parent's counts of it."""
+    parent = d.entries.get(entry.parent) if entry.parent is not None else None
+    if parent is not None:
+        d.set_entry(attrs.evolve(parent, **{name: getattr(parent, name) + delta for name, delta in by.items()}))
+
+
+def _drop_extensions(d: Draft, entry: Entry) -> None:
+    """Every block extending ``entry`` goes, from RAM and disk: without ``entry`` they serve nothing."""
+    for child in [c for c in d.entries.values() if c.parent == entry.id]:
+        _forget(d, child)
+
+
+def _forget(d: Draft, entry: Entry) -> None:
+    """``entry`` and what extends it leave both tiers at once: RAM copies released, files deleted."""
+    for child in [c for c in d.entries.values() if c.parent == entry.id]:
+        _forget(d, child)
+    entry = d.entries[entry.id]
+    if entry.residence in IN_RAM:
+        d.out.append(fx.DropEntry(entry.id))
+    if entry.residence in (R.BOTH, R.DISK, R.SPILLING, R.PREFETCHING):
+        d.out.append(fx.DeleteFile(saved_name(d, entry)))
+    if entry.residence in IN_RAM:
+        d.ram.index = d.ram.index.remove(entry.namespace, entry.packed)
+        d.ram.bytes -= entry.nbytes
+        d.ram.policy = d.ram.strategy.removed(d.ram.policy, entry.id)
+    if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING):
+        d.disk.index = d.disk.index.remove(entry.namespace, entry.packed)
+        d.disk.policy = d.disk.strategy.removed(d.disk.policy, entry.id)
+    if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING, R.SPILLING):
+        d.disk.bytes -= entry.file_bytes
+    if entry.residence is R.SPILLING:
+        d.writes_add(-1, -entry.nbytes)
+    d.entries = d.entries.delete(entry.id)
+
+
+def saved_name(d: Draft, entry: Entry) -> fx.DiskKey | fx.BlockName:
+    """What ``entry``'s saved copy is named by: its tokens for a whole prefix, its chain for a block."""
+    if entry.block is None:
+        return fx.DiskKey(entry.namespace, entry.tokens)
+    parent = d.entries.get(entry.parent) if entry.parent is not None else None
+    parent_key = parent.block if parent is not None else namespace_key(entry.namespace)
+    return fx.BlockName(entry.namespace, entry.block, parent_key, entry.start, ids_of(entry.packed[entry.start * WIDTH:]))
 
 def insert_ram(d: Draft, entry: Entry) -> None:
     """Index ``entry`` (already set in a RAM residence) and tell the policy."""
     ram = d.ram
     ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
-    _used(d, entry)
+    count_child(d, entry, ram_children=1)
+    _used(d, d.entries[entry.id])
 
 
 def _used(d: Draft, entry: Entry) -> None:
@@ -138,6 +208,7 @@ def insert_disk(d: Draft, entry: Entry) -> None:
     disk = d.disk
     disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, entry.length, entry.tag)
+    count_child(d, entry, disk_children=1)
 
 
 def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
@@ -156,6 +227,13 @@ def start_spill(d: Draft, entry: Entry, demote: bool = False, bounded: bool = Tr
     """Start writing RAM-only ``entry`` to disk, making disk room (evicting saved state only when
     ``evict``); a full queue or disk drops the write, and so does the write-rate cap. A flush is not
     ``bounded``: it writes past the queue's bound and the cap (and is charged to the cap)."""
+    if entry.parent is not None:  # a block is written after its parent: saved chains have no gaps
+        parent = d.entries.get(entry.parent)
+        if parent is not None and parent.residence is R.RAM:
+            start_spill(d, parent, bounded=bounded, evict=evict)
+            if d.entries[parent.id].residence is R.RAM:
+                return  # the parent could not be written, so neither is this (its counter says why)
+        entry = d.entries[entry.id]
     if bounded:
         blocked = _spill_blocked(d, entry)
         if blocked is not None:
@@ -171,8 +249,7 @@ def start_spill(d: Draft, entry: Entry, demote: bool = False, bounded: bool = Tr
     d.disk.bytes += entry.file_bytes
     d.writes_add(1, entry.nbytes)
     _charge_write_rate(d, entry.file_bytes)
-    d.out.append(fx.SpillEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), entry.nbytes, entry.trimmable,
-                             entry.file_bytes))
+    d.out.append(fx.SpillEntry(entry.id, saved_name(d, entry), entry.nbytes, entry.trimmable, entry.file_bytes))
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.SPILL), demote=demote))
 
 
@@ -210,7 +287,7 @@ def _charge_write_rate(d: Draft, nbytes: int) -> None:
 def spill_pays(d: Draft, entry: Entry, counted: bool = True) -> bool:
     """Whether writing ``entry`` to disk can pay back: reading it again beats prefilling its tokens
     (objects are not prefilled: always written). Counted where it cannot, when ``counted``."""
-    if entry.namespace == OBJECTS or read_pays(d.pace, entry.file_bytes, entry.length):
+    if entry.namespace == OBJECTS or read_pays(d.pace, entry.file_bytes, entry.length - entry.start):
         return True
     if counted:
         d.count("spills_passed_up")
@@ -235,11 +312,16 @@ class Offer:
     session: str | None = None
     protected: bool = False
     notify: bool = True
+    #: Where the state is kept in blocks: each block's ``(nbytes, file_bytes)``, in the order of
+    #: :func:`~kvstate.core.blocks.spans` (empty: kept whole).
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 def keep(d: Draft, offer: Offer) -> object:
     """Keep the state ``offer`` stages as an entry (making room by policy), or drop it; the reply (the
     effects go to the draft)."""
+    if offer.blocks:
+        return _keep_blocks(d, offer)
     namespace, tokens, handle, nbytes = offer.namespace, offer.tokens, offer.handle, offer.nbytes
     file_bytes, trimmable, session = offer.file_bytes, offer.trimmable, offer.session
     data = packed(tokens)  # what the state keeps: the packed ids, never a tuple of them (see core/tokens.py)
@@ -290,14 +372,136 @@ def keep(d: Draft, offer: Offer) -> object:
     return Kept(entry.id)
 
 
+@attrs.frozen
+class _Link:
+    """One block of a chain being kept: its span, the path from the namespace's start to its end
+    (packed), its chain key, its sizes, and the entry that already holds it (None: none does)."""
+
+    start: int
+    stop: int
+    path: bytes
+    key: bytes
+    nbytes: int
+    file_bytes: int
+    held: Entry | None
+
+
+def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
+    """The blocks ``offer`` is kept in, each with the entry holding it now; None where a path is held
+    by a whole entry (state kept whole before): then the offer is kept whole too."""
+    data = packed(offer.tokens)
+    links, parent = [], namespace_key(offer.namespace)
+    for (start, stop), (nbytes, file_bytes) in zip(spans(len(offer.tokens), d.config.block_tokens), offer.blocks):
+        path = data[:stop * WIDTH]
+        key = block_key(parent, data[start * WIDTH:stop * WIDTH])
+        found = d.ram.index.exact(offer.namespace, path)
+        if found is None and d.config.has_disk:
+            found = d.disk.index.exact(offer.namespace, path)
+        held = d.entries[found] if found is not None else None
+        if held is not None and held.block != key:
+            return None
+        if held is None and stop - start < d.config.block_tokens:
+            held = _covering(d, offer.namespace, path, start)
+        links.append(_Link(start, stop, path, key, nbytes, file_bytes, held))
+        parent = key
+    return links
+
+
+def _covering(d: Draft, namespace: str, path: bytes, start: int) -> Entry | None:
+    """A RAM block from ``start`` that already holds every token of the partial last block ending
+    ``path`` (a longer partial block, or a full one): the partial block is not kept twice."""
+    covered, found = d.ram.index.longest(namespace, path + bytes(WIDTH))  # one token past, never compared
+    entry = d.entries[found] if found is not None and covered * WIDTH == len(path) else None
+    while entry is not None and entry.start > start:
+        entry = d.entries.get(entry.parent) if entry.parent is not None else None
+    return entry if entry is not None and entry.start == start and entry.is_block else None
+
+
+def _keep_blocks(d: Draft, offer: Offer) -> object:
+    """Keep ``offer`` in blocks: only those RAM does not hold are cut from the staged caches (a block
+    saved on disk regains its RAM copy), room made for them by policy, never at the expense of the
+    blocks the chain builds on. The reply names the chain's last block."""
+    namespace, handle = offer.namespace, offer.handle
+    links = _chain_links(d, offer)
+    if links is None:
+        return keep(d, attrs.evolve(offer, blocks=()))
+    missing = [link for link in links if link.held is None or link.held.residence not in IN_RAM]
+    if not missing:
+        for link in reversed(links):  # the last block first: a chain's start is its most recently used
+            touch(d, d.entries[link.held.id])
+        d.count("duplicates")
+        if offer.session is not None:
+            d.sessions = d.sessions.set(offer.session, (namespace, links[-1].path))
+        d.out.append(fx.DropPublished(handle))
+        return Kept(links[-1].held.id, duplicate=True)
+    need = sum(link.nbytes for link in missing)
+    for link in missing:
+        if link.held is None:
+            d.ram.policy = d.ram.strategy.arriving(d.ram.policy, content_tag(namespace, link.path))
+    spare = frozenset(link.held.id for link in links if link.held is not None)
+    if not make_ram_room(d, need, spare):
+        reason = NotKeptReason.TOO_LARGE if need > d.ram.capacity else NotKeptReason.NO_ROOM
+        d.count("not_kept")
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(reason)
+    config, parent, new = d.config, None, []
+    for link in links:
+        held = d.entries.get(link.held.id) if link.held is not None else None
+        if held is not None and held.residence in IN_RAM:
+            touch(d, held)
+        elif held is not None:  # saved only: the published caches give its RAM copy back
+            held = attrs.evolve(held, residence=moved(held.residence, Move.ADOPT), last_used=d.now)
+            d.set_entry(held)
+            insert_ram(d, held)
+            d.ram.bytes += held.nbytes
+            d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
+        else:
+            held = Entry(d.new_entry_id(), namespace, link.path, link.nbytes, True, R.RAM, d.now, offer.session,
+                         offer.protected, content_tag(namespace, link.path), file_bytes=link.file_bytes,
+                         parent=parent, start=link.start, block=link.key)
+            d.set_entry(held)
+            count_child(d, held, children=1)
+            d.ram.bytes += held.nbytes
+            insert_ram(d, held)
+            d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
+            new.append(held.id)
+        parent = held.id
+    d.out.append(fx.DropPublished(handle))
+    if config.has_disk and config.write_behind and config.write_idle_after is None:
+        for entry_id in new:
+            entry = d.entries[entry_id]
+            if entry.residence is R.RAM and spill_pays(d, entry):
+                start_spill(d, entry)
+    last = d.entries[parent]
+    _drop_served_prefixes(d, last)
+    if offer.session is not None:
+        d.sessions = d.sessions.set(offer.session, (namespace, last.packed))
+    if offer.notify:
+        d.out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(offer.tokens))))
+    d.count("kept")
+    return Kept(last.id)
+
+
 def _drop_served_prefixes(d: Draft, longer: Entry) -> None:
     """RAM holds no trimmable prefix that the trimmable ``longer`` entry already serves: their RAM
     copies go (a saved copy stays). Pinned and protected entries stay."""
     for _, entry_id, trimmable in d.ram.index.prefixes_of(longer.namespace, longer.packed):
         entry = d.entries[entry_id]
+        if entry.children:
+            continue  # a block the chain builds on (the partial last blocks a chain supersedes extend nothing)
         if trimmable and entry.residence in (R.RAM, R.BOTH) and not entry.protected:
             drop_ram(d, entry)
             d.count("superseded")
+        elif entry.is_block and entry.residence is R.SPILLING and not entry.demote and not entry.protected:
+            d.set_entry(attrs.evolve(entry, demote=True))  # pinned by its write: its RAM goes once that lands
+            d.count("superseded")
+    if longer.is_block and d.config.has_disk:  # a superseded partial block's saved copy is a duplicate too
+        for _, entry_id, _ in d.disk.index.prefixes_of(longer.namespace, longer.packed):
+            entry = d.entries[entry_id]
+            if (entry.is_block and not entry.children and entry.residence is R.DISK and not entry.protected
+                    and entry_id not in d.reading):
+                drop_disk(d, entry, delete=True)
+                d.count("superseded")
 
 
 def spill_done(d: Draft, e: done.SpillDone) -> object:
@@ -310,7 +514,7 @@ def spill_done(d: Draft, e: done.SpillDone) -> object:
     insert_disk(d, written)
     d.count("spills")
     d.count("bytes_written", written.file_bytes)
-    if entry.demote:
+    if entry.demote and not written.ram_children:  # a block RAM came to extend meanwhile keeps its RAM copy
         drop_ram(d, written)
         d.count("demotions")
     return None
@@ -348,7 +552,7 @@ def over_limits(state: ServiceState | Draft, max_bytes: int | None, max_entries:
     held = optional_bytes(state)
     if max_bytes is not None and held > max_bytes:
         return True
-    if max_entries is not None and len(state.ram.index) > max_entries:
+    if max_entries is not None and ram_prefixes(state) > max_entries:
         return True
     config = state.config
     budget = config.kv_budget_bytes
@@ -370,7 +574,7 @@ def boundary(d: Draft, pressure: bool) -> object:
         return GaveBack(0, 0, waited=True)
     # The policy names the victim; its own bookkeeping follows the entry's fate in give_back
     # (an entry that starts spilling stays known to the policy, pinned until its write settles).
-    _, chosen = victim(d.ram, d.entries, in_ram_evictable, protect=True)
+    _, chosen = victim(d.ram, d.entries, can_give_back, protect=True)
     if chosen is None:
         if d.writes.count:  # what is left is being written: its RAM goes once the writes land
             d.out.append(fx.Sync(pressure=True))
@@ -404,11 +608,22 @@ def tick(d: Draft, now: float) -> None:
             if entry.residence is R.SPILLING:
                 if not entry.demote:
                     d.set_entry(attrs.evolve(entry, demote=True))
-            elif entry.residence in (R.RAM, R.BOTH):
+            elif can_give_back(entry):  # a block RAM still extends waits: it goes after its extension
                 give_back(d, entry)
+                _give_back_idle_parents(d, entry, d.now - after)
     if config.write_behind and config.write_idle_after is not None:
         _write_idle(d, config.write_idle_after)
     d.idle = d.idle.advanced(d.entries, lambda entry: _needs_clock(config, entry))
+
+
+def _give_back_idle_parents(d: Draft, entry: Entry, idle_since: float) -> None:
+    """After block ``entry`` was given back, the blocks it extended that are idle too and now extended
+    by nothing in RAM go as well (leaf first, within one tick)."""
+    while entry.parent is not None:
+        entry = d.entries.get(entry.parent)
+        if entry is None or entry.last_used > idle_since or not can_give_back(entry):
+            return
+        give_back(d, entry)
 
 
 def _needs_clock(config: ServiceConfig, entry: Entry) -> bool:
@@ -439,8 +654,8 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
     if disk_len <= ram_len:
         return False
     entry = d.entries[disk_entry]
-    if entry.residence is not R.DISK or disk_entry in d.reading:
-        return False
+    if entry.residence is not R.DISK or disk_entry in d.reading or entry.is_block:
+        return False  # blocks are read when a request assembles them, only those RAM lacks
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, entry.tag)
     if not make_ram_room(d, entry.nbytes):
         return False

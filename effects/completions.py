@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from kvstate.effects.effects import CheckpointMeta
+from kvstate.effects.effects import BlockName, CheckpointMeta
 
 
 class FailureReason(enum.Enum):
@@ -49,20 +49,35 @@ class SpillFailed(Completion):
 
 @attrs.frozen
 class RestoreDone(Completion):
-    """Saved ``entry`` was read into ``handle``, in ``seconds`` (None: the interpreter does not time reads)."""
+    """Saved ``entry`` was read into ``handle``, in ``seconds`` (None: the interpreter does not time reads).
+    An assembly of blocks names every block it read in ``blocks`` (``entry``, the last, among them)."""
 
     entry: int
     handle: int
     seconds: float | None = None
+    blocks: tuple[int, ...] = ()
+
+    @property
+    def read(self) -> tuple[int, ...]:
+        """Every entry whose file was read (and pinned for it)."""
+        return self.blocks or (self.entry,)
 
 
 @attrs.frozen
 class RestoreFailed(Completion):
-    """Saved ``entry`` could not be read into ``handle`` (and is rejected)."""
+    """Saved ``entry`` could not be read into ``handle`` (and is rejected). An assembly of blocks names
+    every block it was to read in ``blocks`` (each pinned for it; ``entry``, the one that failed,
+    among them)."""
 
     entry: int
     handle: int
     reason: FailureReason
+    blocks: tuple[int, ...] = ()
+
+    @property
+    def read(self) -> tuple[int, ...]:
+        """Every entry whose file was to be read (and pinned for it)."""
+        return self.blocks or (self.entry,)
 
 
 @attrs.frozen
@@ -140,6 +155,17 @@ class SavedRecord:
 
 
 @attrs.frozen
+class SavedBlock:
+    """One block saved state holds (:class:`~kvstate.effects.effects.BlockName` names it), as a scan of
+    its header found it: its bytes in RAM and on disk, and its file's own time."""
+
+    name: BlockName
+    nbytes: int
+    file_bytes: int
+    used_at: float = 0.0
+
+
+@attrs.frozen
 class SavedCheckpoint:
     """One durable generation checkpoint, as a scan of its header found it."""
 
@@ -158,3 +184,5 @@ class Scanned(Completion):
     checkpoints: tuple[SavedCheckpoint, ...] = ()
     #: Files the scan rejected (foreign, corrupt) and moved aside.
     rejected: int = 0
+    #: Saved blocks (state kept in blocks), each with its chain's name.
+    blocks: tuple[SavedBlock, ...] = ()

@@ -21,6 +21,19 @@ class DiskKey:
 
 
 @attrs.frozen
+class BlockName:
+    """A block's name (:mod:`kvstate.core.blocks`): its namespace, its chain key, its parent's key (the
+    namespace's key for a first block), the position it starts at and its own tokens. The key is the
+    hash of the parent's key and the tokens, so a reader checks the name against what it read."""
+
+    namespace: str
+    key: bytes = attrs.field(repr=lambda k: k.hex()[:12])
+    parent: bytes = attrs.field(repr=lambda k: k.hex()[:12])
+    start: int
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+
+
+@attrs.frozen
 class CheckpointMeta:
     """What a generation checkpoint records beside its caches."""
 
@@ -64,6 +77,40 @@ class AdoptPublished(Effect):
 
 
 @attrs.frozen
+class KeepBlock(Effect):
+    """Positions ``start`` to ``stop`` of the caches staged under ``handle`` become kept RAM block
+    ``entry`` (the staged caches stay staged: a ``DropPublished`` lets them go)."""
+
+    handle: int
+    entry: int
+    start: int
+    stop: int
+
+
+@attrs.frozen
+class BlockPart:
+    """One block of an assembly: RAM ``entry``, or, where ``saved`` names it, read from its file."""
+
+    entry: int
+    saved: BlockName | None = None
+
+
+@attrs.frozen
+class AssembleBlocks(Effect):
+    """Caches of the consecutive ``blocks`` (first position first), trimmed to their first ``tokens``
+    tokens, into ``handle``. Completes where a part is read from disk (``RestoreDone`` naming the last
+    block, or ``RestoreFailed`` naming the block that failed); otherwise answers nothing, as a clone."""
+
+    handle: int
+    tokens: int
+    blocks: tuple[BlockPart, ...]
+
+    @property
+    def reads(self) -> bool:
+        return any(part.saved is not None for part in self.blocks)
+
+
+@attrs.frozen
 class DropPublished(Effect):
     """The caches staged under ``handle`` are not kept: release them."""
 
@@ -79,11 +126,11 @@ class DropEntry(Effect):
 
 @attrs.frozen
 class SpillEntry(Effect):
-    """Write RAM ``entry`` to saved state under ``key`` (``nbytes`` in RAM, a file of ``file_bytes``);
-    completes, possibly later."""
+    """Write RAM ``entry`` to saved state under ``key`` (a whole prefix's, or a block's name; ``nbytes``
+    in RAM, a file of ``file_bytes``); completes, possibly later."""
 
     entry: int
-    key: DiskKey
+    key: DiskKey | BlockName
     nbytes: int
     trimmable: bool
     file_bytes: int
@@ -109,9 +156,9 @@ class PrefetchEntry(Effect):
 
 @attrs.frozen
 class DeleteFile(Effect):
-    """Delete the saved state under ``key`` (evicted from the disk tier)."""
+    """Delete the saved state under ``key`` (evicted from the disk tier): a prefix's or a block's."""
 
-    key: DiskKey
+    key: DiskKey | BlockName
 
 
 @attrs.frozen

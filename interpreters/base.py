@@ -38,6 +38,8 @@ PERFORMERS: dict[type, str] = {
     fx.MakeFresh: "_make_fresh",
     fx.CloneEntry: "_clone_entry",
     fx.AdoptPublished: "_adopt_published",
+    fx.KeepBlock: "_keep_block",
+    fx.AssembleBlocks: "_assemble_blocks",
     fx.DropPublished: "_drop_published",
     fx.DropEntry: "_drop_entry",
     fx.SpillEntry: "_spill_entry",
@@ -76,6 +78,12 @@ class Interpreter(Protocol):
 
     def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
         """The bytes the checkpoint file of the caches staged under ``handle`` would take."""
+
+    def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
+                    spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
+        """Where the caches staged under ``handle`` (covering ``tokens``) can be cut into blocks at
+        ``spans``: each block's bytes in RAM and its file's bytes (0 without a disk tier); None where
+        they cannot (kept whole)."""
 
     def take(self, handle: int) -> Any:
         """Hand the caches under ``handle`` to the caller."""

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from kvstate.core import events as ev
+from kvstate.core.blocks import spans
 from kvstate.core.errors import UnknownRequest
 from kvstate.core.replies import (
     Admission, FlushResult, Kept, MaxTokensFit, ObjectFound, RamHeld, ScanResult, Source,
@@ -264,7 +265,7 @@ class KvCacheService:
                 covered = len(tokens) if facts.covered is None else facts.covered  # recurrent state knows no length
                 file_bytes = self._file_bytes(handle, namespace, tokens, facts)
                 event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable,
-                                   file_bytes)
+                                   file_bytes, self._block_bytes(handle, namespace, tokens, facts))
                 return isinstance(self._run(event), Kept)  # under backpressure the core waits for writes
             except BaseException:
                 self._interpreter.unstage(handle)
@@ -275,6 +276,15 @@ class KvCacheService:
         if not self._state.config.has_disk:
             return 0
         return self._interpreter.file_bytes(handle, DiskKey(namespace, tokens), facts)
+
+    def _block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
+                     facts: CacheFacts) -> tuple[tuple[int, int], ...]:
+        """Where the config keeps state in blocks and the staged caches can be cut: each block's bytes in
+        RAM and on disk (empty: kept whole)."""
+        block_tokens = self._state.config.block_tokens
+        if block_tokens is None or not facts.trimmable or namespace == OBJECTS or not tokens:
+            return ()
+        return self._interpreter.block_bytes(handle, namespace, tokens, spans(len(tokens), block_tokens)) or ()
 
     def collect(self) -> None:
         """Feed back the writes the interpreter finished in the background (unpinning their entries),

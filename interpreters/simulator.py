@@ -16,17 +16,20 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
+from kvstate.core.blocks import saved_chains
 from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.state import ServiceConfig
 from kvstate.core.tokens import WIDTH, PackedIds, packed
-from kvstate.effects.completions import SavedCheckpoint, SavedRecord, Scanned
+from kvstate.effects.completions import SavedBlock, SavedCheckpoint, SavedRecord, Scanned
 from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.models.catalogue import model_spec
-from kvstate.models.spec import ModelSpec
+from kvstate.models.spec import LayerKind, ModelSpec
 
 Reason = done.FailureReason
+#: Layer kinds whose state at a position is a span of arrays, so caches of them can be cut into blocks.
+CUTTABLE = frozenset({LayerKind.FULL_ATTENTION, LayerKind.LATENT_ATTENTION})
 
 
 class SimulatedCrash(KvStateError):
@@ -223,6 +226,18 @@ class SimulatorInterpreter(HeldState):
     def checkpoint_file_bytes(self, handle: int, meta: fx.CheckpointMeta, tokens: tuple[int, ...]) -> int:
         return self.files.file_bytes(self._handles[handle].nbytes, len(tokens))
 
+    def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
+                    spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
+        """Each block's ``(nbytes, file_bytes)`` where the staged caches can be cut into ``spans``: every
+        layer's state is a span of positions (plain attention); None otherwise (kept whole)."""
+        if not all(layer.kind in CUTTABLE for layer in self.model.layers):
+            return None
+        out = []
+        for start, stop in spans:
+            nbytes = self.model.bytes_for(stop) - self.model.bytes_for(start)
+            out.append((nbytes, self.files.file_bytes(nbytes, stop - start)))
+        return tuple(out)
+
     def stage_object(self, handle: int, value: object) -> int:
         """Hold a tensor object under ``handle``; its bytes."""
         if not isinstance(value, SimObject) or not isinstance(value.nbytes, int) or value.nbytes < 0:
@@ -238,22 +253,26 @@ class SimulatorInterpreter(HeldState):
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every saved prefix of this identity."""
-        return [(f.namespace, f.tokens) for f in self.disk.files.values()
-                if f.identity == self.identity and f.payload is None]
+        prefixes = [(f.namespace, f.tokens) for key, f in self.disk.files.items()
+                    if f.identity == self.identity and f.payload is None and isinstance(key, fx.DiskKey)]
+        return prefixes + saved_chains(key for key in self.disk.files if isinstance(key, fx.BlockName))
 
     def scan(self) -> Scanned:
         """What the disk holds for this identity; foreign and corrupt files are moved aside."""
-        records, rejected = [], 0
+        records, blocks, rejected = [], [], 0
         for key, file in list(self.disk.files.items()):
             if file.identity != self.identity or file.corrupt:
                 self._move_aside(key, Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT)
                 rejected += 1
                 continue
+            if isinstance(key, fx.BlockName):
+                blocks.append(SavedBlock(key, file.nbytes, file.file_bytes, file.used_at))
+                continue
             records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable, file.file_bytes,
                                        file.used_at))
         checkpoints = tuple(SavedCheckpoint(c.meta, len(c.tokens), c.file_bytes, c.used_at)
                             for c in self.disk.checkpoints.values() if c.identity == self.identity)
-        return Scanned(tuple(records), checkpoints, rejected)
+        return Scanned(tuple(records), checkpoints, rejected, tuple(blocks))
 
     def perform(self, effect: fx.Effect) -> list:
         """Carry out ``effect``; the completion events it produced (none for the quiet ones)."""
@@ -304,6 +323,30 @@ class SimulatorInterpreter(HeldState):
     def _adopt_published(self, e: fx.AdoptPublished) -> list:
         self._ram[e.entry] = self._handles.pop(e.handle)
         return []
+
+    def _keep_block(self, e: fx.KeepBlock) -> list:
+        caches = self._handles[e.handle]
+        self._ram[e.entry] = SimCaches(caches.packed[e.start * WIDTH:e.stop * WIDTH], self.model)
+        return []
+
+    def _assemble_blocks(self, e: fx.AssembleBlocks) -> list:
+        """The blocks' tokens joined, trimmed: RAM ones as kept, the others read from their files."""
+        content, read, seconds = [], [], 0.0
+        for part in e.blocks:
+            if part.saved is None:
+                content.append(self._ram[part.entry].packed)
+                continue
+            file = self._read(part.saved)
+            if isinstance(file, Reason):
+                pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
+                return [done.RestoreFailed(part.entry, e.handle, file, pinned)]
+            content.append(packed(file.content))
+            read.append(part.entry)
+            seconds += self._read_seconds(file)
+        self._handles[e.handle] = SimCaches(b"".join(content), self.model).trimmed(e.tokens)
+        if not read:
+            return []
+        return [done.RestoreDone(read[-1], e.handle, seconds, tuple(read))]
 
     def _spill_entry(self, e: fx.SpillEntry) -> list:
         return self._write(e)

@@ -26,8 +26,9 @@ def blockable(caches: list) -> bool:
     return all(callable(getattr(codec_of(cache), "span", None)) for cache in caches)
 
 
-def cut(caches: list, start: int, stop: int) -> Block:
-    """Positions ``start`` to ``stop`` of every layer of ``caches``, evaluated (a block to keep)."""
+def cut(caches: list, start: int, stop: int, evaluate: bool = True) -> Block:
+    """Positions ``start`` to ``stop`` of every layer of ``caches`` (a block to keep), evaluated unless
+    not ``evaluate`` (the caller schedules it)."""
     if not blockable(caches):
         kinds = sorted({type(c).__name__ for c in caches if not callable(getattr(codec_of(c), "span", None))})
         raise UnsupportedCache(f"caches of {', '.join(kinds)} cannot be cut into blocks: keep them as snapshots")
@@ -35,7 +36,8 @@ def cut(caches: list, start: int, stop: int) -> Block:
     if not 0 <= start < stop <= covered:
         raise ValueError(f"a block of positions {start} to {stop} is not within the {covered} the caches cover")
     block = [codec_of(cache).span(cache, start, stop) for cache in caches]
-    mx.eval([array for layer in block for array in layer.values()])
+    if evaluate:
+        mx.eval([array for layer in block for array in layer.values()])
     return block
 
 

@@ -68,7 +68,9 @@ class KVCodec:
 
     def span(self, cache: KVCache, start: int, stop: int) -> dict[str, mx.array]:
         """Positions ``start`` to ``stop`` as new arrays: one block's share of this layer."""
-        return {"keys": cache.keys[..., start:stop, :], "values": cache.values[..., start:stop, :]}
+        # Copied out (``contiguous``): a bare slice is a view that keeps the whole cache's buffer alive.
+        return {"keys": mx.contiguous(cache.keys[..., start:stop, :]),
+                "values": mx.contiguous(cache.values[..., start:stop, :])}
 
     def joined(self, spans: list[dict[str, mx.array]], like: KVCache) -> KVCache:
         """A cache of the consecutive ``spans``, first position first, of ``like``'s kind."""
@@ -167,8 +169,8 @@ class QuantizedCodec:
 
     def span(self, cache: QuantizedKVCache, start: int, stop: int) -> dict[str, mx.array]:
         """Positions ``start`` to ``stop`` of the packed data, scales and biases (quantised per position)."""
-        arrays = {f"keys.{i}": part[..., start:stop, :] for i, part in enumerate(cache.keys)}
-        arrays.update({f"values.{i}": part[..., start:stop, :] for i, part in enumerate(cache.values)})
+        arrays = {f"keys.{i}": mx.contiguous(part[..., start:stop, :]) for i, part in enumerate(cache.keys)}
+        arrays.update({f"values.{i}": mx.contiguous(part[..., start:stop, :]) for i, part in enumerate(cache.values)})
         return arrays
 
     def joined(self, spans: list[dict[str, mx.array]], like: QuantizedKVCache) -> QuantizedKVCache:

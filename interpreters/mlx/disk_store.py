@@ -37,9 +37,10 @@ import mlx.core as mx
 import numpy as np
 
 from kvstate.core.errors import StorageError
+from kvstate.core.blocks import saved_chains
 from kvstate.core.state import OBJECTS
-from kvstate.effects.completions import FailureReason, SavedCheckpoint, SavedRecord
-from kvstate.effects.effects import CheckpointMeta, DiskKey
+from kvstate.effects.completions import FailureReason, SavedBlock, SavedCheckpoint, SavedRecord
+from kvstate.effects.effects import BlockName, CheckpointMeta, DiskKey
 from kvstate.interpreters.mlx import file_io, framing
 from kvstate.interpreters.mlx.caches import codec_named, codec_of
 from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
@@ -49,7 +50,9 @@ from kvstate.interpreters.mlx.file_io import (
 )
 from kvstate.interpreters.mlx.framing import MX_DTYPE, SAFETENSORS_DTYPE
 
-FORMAT_VERSION = "2"
+#: The saved files' format: 3 keeps state in blocks (``block-`` files) beside whole prefixes and
+#: checkpoints; files of an earlier format are rejected and counted, never restored.
+FORMAT_VERSION = "3"
 #: Rejected files kept for inspection in ``rejected/``, newest first; older ones are deleted.
 REJECTED_KEEP = 16
 SUFFIX = ".safetensors"
@@ -113,6 +116,8 @@ class SavedFile:
     file_bytes: int
     #: The file's modification time: when it was written, or last read back (a restore touches it).
     used_at: float = 0.0
+    #: A block's name (None for a whole prefix or a checkpoint).
+    block: BlockName | None = None
 
 
 def _touch(path: Path) -> None:
@@ -199,6 +204,9 @@ class DiskStore:
     def prefix_path(self, key: DiskKey) -> Path:
         return self.directory / _name("prefix", key.namespace.encode(), array("q", key.tokens).tobytes())
 
+    def block_path(self, name: BlockName) -> Path:
+        return self.directory / _name("block", name.namespace.encode(), name.key)
+
     def checkpoint_path(self, key: str) -> Path:
         return self.directory / _name("checkpoint", key.encode())
 
@@ -218,6 +226,28 @@ class DiskStore:
     def checkpoint_file_bytes(self, meta: CheckpointMeta, tokens: tuple[int, ...], caches: list) -> int:
         """The exact bytes the file of this checkpoint will take, header included."""
         return self._file_bytes(*self._checkpoint_fields(meta, tokens), caches)
+
+    def encode_block(self, name: BlockName, block: list[dict[str, mx.array]], classes: list[str]) -> "EncodedFile":
+        """The file of one block (each layer's arrays of its span; ``classes``, the layers' cache classes),
+        ready to commit."""
+        metadata, tensors = self._block_layout(name, block, classes)
+        return self._encoded(self.block_path(name), metadata, tensors)
+
+    def block_file_bytes(self, name: BlockName, block: list[dict[str, mx.array]], classes: list[str]) -> int:
+        """The exact bytes the file of this block will take, header included; nothing is evaluated."""
+        return self._sized(*self._block_layout(name, block, classes))
+
+    def _block_layout(self, name: BlockName, block: list[dict[str, mx.array]],
+                      classes: list[str]) -> tuple[dict[str, str], dict[str, mx.array]]:
+        tensors = {f"{i}.{array_name}": a for i, layer in enumerate(block) for array_name, a in layer.items()}
+        nbytes = sum(a.nbytes for a in tensors.values())
+        metadata = {
+            "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(), "kvstate.kind": "block",
+            "kvstate.namespace": name.namespace, "kvstate.tokens": json.dumps(list(name.tokens)),
+            "kvstate.block": json.dumps({"key": name.key.hex(), "parent": name.parent.hex(), "start": name.start}),
+            "kvstate.layers": json.dumps([{"class": c} for c in classes]), "kvstate.trimmable": "true",
+            "kvstate.nbytes": str(nbytes)}
+        return metadata, tensors
 
     @staticmethod
     def _prefix_fields(key: DiskKey, trimmable: bool, nbytes: int) -> tuple:
@@ -247,14 +277,20 @@ class DiskStore:
 
     def _file_bytes(self, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
                     caches: list) -> int:
-        metadata, tensors = self._layout(kind, namespace, tokens, extra, caches)
+        return self._sized(*self._layout(kind, namespace, tokens, extra, caches))
+
+    @staticmethod
+    def _sized(metadata: dict[str, str], tensors: dict[str, mx.array]) -> int:
         described = {name: (SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
         sizes = [a.nbytes for a in tensors.values()]
         return len(framing.header_bytes(metadata, described, sizes, None)) + sum(sizes)
 
     def _encode(self, path: Path, kind: str, namespace: str, tokens: tuple[int, ...], extra: dict[str, str],
                 caches: list) -> "EncodedFile":
-        metadata, tensors = self._layout(kind, namespace, tokens, extra, caches)
+        return self._encoded(path, *self._layout(kind, namespace, tokens, extra, caches))
+
+    @staticmethod
+    def _encoded(path: Path, metadata: dict[str, str], tensors: dict[str, mx.array]) -> "EncodedFile":
         views = {name: mx.view(mx.contiguous(a), mx.uint8) for name, a in tensors.items()}
         mx.eval(list(views.values()))  # the only mlx work; copying to the host and hashing happen at commit
         described = {name: (SAFETENSORS_DTYPE[a.dtype], list(a.shape)) for name, a in tensors.items()}
@@ -288,8 +324,8 @@ class DiskStore:
             raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
                               f"{file.path.name}: {error}") from None
 
-    def delete_prefix(self, key: DiskKey) -> None:
-        remove_quietly(self.prefix_path(key))
+    def delete_prefix(self, key: DiskKey | BlockName) -> None:
+        remove_quietly(self.block_path(key) if isinstance(key, BlockName) else self.prefix_path(key))
 
     def delete_checkpoint(self, key: str) -> None:
         remove_quietly(self.checkpoint_path(key))
@@ -341,10 +377,15 @@ class DiskStore:
             checkpoint = None
             if metadata["kvstate.kind"] == "checkpoint":
                 checkpoint = CheckpointMeta(**json.loads(metadata["kvstate.checkpoint"]))
+            block = None
+            if metadata["kvstate.kind"] == "block":
+                fields = json.loads(metadata["kvstate.block"])
+                block = BlockName(metadata["kvstate.namespace"], bytes.fromhex(fields["key"]),
+                                  bytes.fromhex(fields["parent"]), int(fields["start"]), tokens)
             stat = os.fstat(file.fileno())
             described = SavedFile(path, metadata["kvstate.kind"], metadata["kvstate.namespace"], tokens,
                                   int(metadata["kvstate.nbytes"]), json.loads(metadata["kvstate.trimmable"]) is True,
-                                  checkpoint, stat.st_size, stat.st_mtime)
+                                  checkpoint, stat.st_size, stat.st_mtime, block)
             json.loads(metadata["kvstate.layers"])
             hashes = json.loads(metadata["kvstate.hashes"])
         except (KeyError, TypeError, ValueError) as error:
@@ -453,6 +494,13 @@ class DiskStore:
         by now, so moving them to the device is the last thing done to their bytes)."""
         if self.to_device:
             move_to_device(arrays.values())
+        if metadata["kvstate.kind"] == "block":  # a block is its layers' arrays: assembled by the caller
+            layers = len(json.loads(metadata["kvstate.layers"]))
+            block: list[dict[str, mx.array]] = [{} for _ in range(layers)]
+            for name, a in arrays.items():
+                layer, _, array_name = name.partition(".")
+                block[int(layer)][array_name] = a
+            return block
         caches = []
         for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
             prefix = f"{i}."
@@ -488,6 +536,16 @@ class DiskStore:
             raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: covers other tokens than its name")
         _touch(described.path)
         return caches
+
+    def read_block(self, name: BlockName) -> list[dict[str, mx.array]]:
+        """The arrays of the block ``name`` names, each layer's; :class:`RejectedFile` (moved aside) if
+        they cannot be trusted (a header that names another block, or fails its hashes)."""
+        described, block = self._load(self.block_path(name))
+        if described.block != name:
+            self.move_aside(described.path, FailureReason.CORRUPT)
+            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds another block than its name")
+        _touch(described.path)
+        return block
 
     def read_checkpoint(self, key: str) -> tuple[CheckpointMeta, tuple[int, ...], list]:
         described, caches = self._load(self.checkpoint_path(key))
@@ -545,14 +603,20 @@ class DiskStore:
     # ------------------------------------------------------------ scan
 
     def scan(self) -> tuple[list[SavedRecord], list[SavedCheckpoint], int]:
-        """Prefix records and checkpoints from headers alone; bad files moved aside and counted.
+        """Prefix records and checkpoints from headers alone; bad files moved aside and counted (the
+        blocks found are :meth:`scan_all`'s)."""
+        records, checkpoints, rejected, _ = self.scan_all()
+        return records, checkpoints, rejected
+
+    def scan_all(self) -> tuple[list[SavedRecord], list[SavedCheckpoint], int, list[SavedBlock]]:
+        """Prefix records, checkpoints and blocks from headers alone; bad files moved aside and counted.
 
         A file deleted since the listing is skipped; a file replaced since is
         read as it now is (once more; a name replaced again is left to the next
         scan). Temp files of interrupted writes are removed, unless the process
         named in them is still running (its write may be in flight).
         """
-        records, checkpoints, rejected = [], [], 0
+        records, checkpoints, rejected, blocks = [], [], 0, []
         self.prune_rejected()
         for path in sorted(self.directory.iterdir()):
             if not path.is_file():
@@ -576,7 +640,9 @@ class DiskStore:
             elif described.kind == "prefix":
                 records.append(SavedRecord(described.namespace, described.tokens, described.nbytes,
                                            described.trimmable, described.file_bytes, described.used_at))
-        return records, checkpoints, rejected
+            elif described.kind == "block" and described.block is not None:
+                blocks.append(SavedBlock(described.block, described.nbytes, described.file_bytes, described.used_at))
+        return records, checkpoints, rejected, blocks
 
     def _scanned(self, path: Path) -> SavedFile | None:
         """What the file ``path`` names holds, from its header; None once it is gone. A file replaced
@@ -599,8 +665,9 @@ class DiskStore:
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every valid saved prefix, from headers alone. A look, not a scan:
-        nothing is moved, deleted or counted (a bad file is left for the next scan to judge)."""
-        found = []
+        nothing is moved, deleted or counted (a bad file is left for the next scan to judge). Blocks give
+        the prefixes their chains end, where every block of a chain is saved."""
+        found, blocks = [], []
         for path in sorted(self.directory.iterdir()):
             if path.name.startswith(".") or not path.name.endswith(SUFFIX):
                 continue
@@ -611,4 +678,6 @@ class DiskStore:
                 continue
             if described.kind == "prefix" and described.namespace != OBJECTS:
                 found.append((described.namespace, described.tokens))
-        return found
+            elif described.block is not None:
+                blocks.append(described.block)
+        return found + saved_chains(blocks)

@@ -21,11 +21,13 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvstate.core.blocks import block_names
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.state import InvalidConfig, ServiceConfig
 from kvstate.effects.completions import Scanned
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
+from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, WriteFailed
 from kvstate.interpreters.mlx.weights_identity import weights_fingerprint
@@ -129,6 +131,24 @@ class MlxInterpreter(HeldState):
             return 0
         return self.store.checkpoint_file_bytes(meta, tokens, self._handles[handle])
 
+    def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
+                    spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
+        """Each block's bytes in RAM and on disk, where every layer of the staged caches can be cut
+        (plain or quantised KV); None otherwise. Measured on lazy spans: nothing is evaluated."""
+        caches = self._handles[handle]
+        if not mlx_blocks.blockable(caches):
+            return None
+        block_tokens = spans[0][1] - spans[0][0] if spans else 0
+        names = block_names(namespace, tokens, block_tokens) if self.store is not None else None
+        classes = [type(cache).__name__ for cache in caches]
+        out = []
+        for i, (start, stop) in enumerate(spans):
+            block = [mlx_caches.codec_of(cache).span(cache, start, stop) for cache in caches]
+            nbytes = sum(a.nbytes for layer in block for a in layer.values())
+            file_bytes = self.store.block_file_bytes(names[i], block, classes) if names is not None else 0
+            out.append((nbytes, file_bytes))
+        return tuple(out)
+
     def stage_object(self, handle: int, value: object) -> int:
         """Hold a tensor object (``value``, a dict of arrays) under ``handle``; its bytes."""
         payload = [mlx_caches.TensorObject(value)]
@@ -147,8 +167,8 @@ class MlxInterpreter(HeldState):
     def scan(self) -> Scanned:
         if self.store is None:
             return Scanned()
-        records, checkpoints, rejected = self.store.scan()
-        return Scanned(tuple(records), tuple(checkpoints), rejected)
+        records, checkpoints, rejected, blocks = self.store.scan_all()
+        return Scanned(tuple(records), tuple(checkpoints), rejected, tuple(blocks))
 
     def poll(self) -> list:
         """Completions of writes finished since the last poll."""
@@ -211,9 +231,48 @@ class MlxInterpreter(HeldState):
         self._ram[e.entry] = caches
         return []
 
+    def _keep_block(self, e: fx.KeepBlock) -> list:
+        block = mlx_blocks.cut(self._handles[e.handle], e.start, e.stop, evaluate=False)
+        mx.async_eval([array for layer in block for array in layer.values()])  # as a whole prefix is kept
+        self._ram[e.entry] = block
+        return []
+
+    def _assemble_blocks(self, e: fx.AssembleBlocks) -> list:
+        """The chain's caches: RAM blocks as kept, the others read and verified, joined and trimmed."""
+        started = time.perf_counter()
+        blocks, read = [], []
+        for part in e.blocks:
+            if part.saved is None:
+                blocks.append(self._ram[part.entry])
+                continue
+            block = self._read_block(part.saved)
+            if isinstance(block, done.FailureReason):
+                pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
+                return [done.RestoreFailed(part.entry, e.handle, block, pinned)]
+            blocks.append(block)
+            read.append(part.entry)
+        caches = mlx_blocks.assemble(blocks, self.fresh())
+        covered = mlx_caches.covered(caches)
+        self._handles[e.handle] = caches if covered == e.tokens else mlx_caches.clone(caches, e.tokens)
+        if not read:
+            return []
+        return [done.RestoreDone(read[-1], e.handle, time.perf_counter() - started, tuple(read))]
+
+    def _read_block(self, name: fx.BlockName) -> list | done.FailureReason:
+        try:
+            return self._store().read_block(name)
+        except RejectedFile as rejected:
+            return rejected.reason
+        except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
+            return done.FailureReason.IO_ERROR
+
     def _spill_entry(self, e: fx.SpillEntry) -> list:
         store = self._store()
-        encoded = store.encode_prefix(e.key, self._ram[e.entry], e.trimmable, e.nbytes)
+        if isinstance(e.key, fx.BlockName):
+            classes = [type(cache).__name__ for cache in self.fresh()]
+            encoded = store.encode_block(e.key, self._ram[e.entry], classes)
+        else:
+            encoded = store.encode_prefix(e.key, self._ram[e.entry], e.trimmable, e.nbytes)
         if encoded.file_bytes != e.file_bytes:  # the caches changed since they were measured: not written
             return [done.SpillFailed(e.entry, done.FailureReason.NO_SPACE)]
         return self._write(lambda: store.commit(encoded), done.SpillDone(e.entry),
