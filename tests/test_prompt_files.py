@@ -11,6 +11,7 @@ from kvstate.interpreters.prompt_files import (
     NothingToExport, PromptFileRefused, export_prompt_cache, import_prompt_cache,
 )
 from kvstate.models.reference import build
+from kvstate.interpreters.mlx.disk_store import FORMAT_VERSION
 
 PROMPT = tuple(range(3, 43))
 
@@ -132,7 +133,7 @@ def test_the_safetensors_library_lists_a_saved_files_tensors_and_metadata(llama,
     with safe_open(str(path), framework="numpy") as saved:
         assert {f"{i}.{part}" for i in range(len(caches)) for part in ("keys", "values")} <= set(saved.keys())
         metadata = saved.metadata()
-        assert metadata["kvstate.kind"] == "prefix" and metadata["kvstate.format"] == "2"
+        assert metadata["kvstate.kind"] == "prefix" and metadata["kvstate.format"] == FORMAT_VERSION
         keys = saved.get_tensor("0.keys")
     assert keys.shape == (1, caches[0].keys.shape[1], len(PROMPT), caches[0].keys.shape[3])
     assert mx.allclose(mx.array(keys), caches[0].keys[..., :len(PROMPT), :], atol=1e-5)

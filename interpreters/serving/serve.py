@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+from kvstate.core.blocks import BLOCK_TOKENS
 from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
 from kvstate.core.replies import MaxTokensFit, ScanResult
@@ -284,6 +285,10 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "turn supersedes soon is never written (default: written when kept)")
     parser.add_argument("--disk-write-bytes-per-hour", type=size_argument, default=None, metavar="SIZE",
                         help="cap what spills write to disk, for the SSD's wear (default: no cap)")
+    parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS, metavar="TOKENS",
+                        help="keep plain and quantised KV in blocks of this many tokens, each held once in RAM "
+                             "and written once to disk, shared by every prompt that contains it (0: keep each "
+                             f"prompt's state whole; default {BLOCK_TOKENS}, the step mlx-lm's caches grow by)")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     return parser
 
@@ -317,7 +322,8 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         disk_dir=options.disk_dir, disk_bytes=options.disk_bytes, name=Path(model_provider.cli_args.model).name,
         config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
         ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
-        write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour)
+        write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour,
+        block_tokens=options.block_tokens or None)
     return KvStatePromptCache(service, model_provider.model_key, unannounced=None)
 
 
@@ -384,6 +390,10 @@ def main(argv: Sequence[str]) -> int:
     if options.disk_write_bytes_per_hour is not None and options.disk_write_bytes_per_hour < 1:
         print(f"kvstate serve: --disk-write-bytes-per-hour is a size of at least 1 byte; "
               f"got {options.disk_write_bytes_per_hour}", file=sys.stderr)
+        return 2
+    if options.block_tokens < 0:
+        print(f"kvstate serve: --block-tokens is a number of tokens, 0 (whole prompts) or more; "
+              f"got {options.block_tokens}", file=sys.stderr)
         return 2
     if options.shared_prefix_wait is not None and not options.shared_prefix_wait >= 0:
         print(f"kvstate serve: --shared-prefix-wait is seconds, 0 or more; got {options.shared_prefix_wait}",

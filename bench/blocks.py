@@ -1,0 +1,194 @@
+"""State in blocks against whole prefixes: disk bytes written, RAM held, reuse, on real models.
+
+Each workload runs through the library's port (``for_mlx``: acquire, prefill what is not reused,
+extend the caches over a reply as a generation would, publish, release) on a reference llama with
+random weights, on this CPU, with a disk tier and write-behind (every kept state written):
+
+- ``chat``: a 10-turn chat (a 400-token system prompt; 80-token questions, 150-token answers);
+- ``agent``: a 50-step agent loop (a 600-token system prompt; each step a 40-token call and a
+  200-token tool result appended);
+- ``branching``: a 6-turn chat where each turn is answered, regenerated three times and its question
+  edited once (every branch published);
+
+a request reuses what is kept, computes the rest and the reply, and publishes the prompt and the
+reply (as ``kvstate serve`` keeps the end of each turn); the next turn's prompt holds the reply;
+
+each three ways, side by side in one run: the previous commit's whole-prefix storage (``--baseline``,
+exported from git into a temporary folder and run there, as its own process), this commit with
+``block_tokens=None`` (whole prefixes), and this commit with blocks of ``--block-tokens``.
+
+    python bench/blocks.py [--baseline HEAD~1] [--models tiny,small] [--workloads chat,agent,branching]
+
+Prints one row per model, workload and storage: bytes written, files on disk, RAM held at the end,
+prompt tokens reused, and the ratios of blocks to the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: The package's folders and the modules they install as (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"kvstate": "kvstate", "core": "kvstate.core", "effects": "kvstate.effects",
+                "interpreters": "kvstate.interpreters", "models": "kvstate.models"}
+MODELS = {
+    "tiny": dict(vocab_size=512, max_position_embeddings=32768),
+    "small": dict(vocab_size=512, max_position_embeddings=32768, hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32),
+}
+
+
+# ---------------------------------------------------------------- the workloads (run in a worker)
+
+
+def chat(rng: random.Random) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(prompt, reply)`` per request, in order: the next turn's prompt holds the reply."""
+    history, out = words(rng, 400), []
+    for _ in range(10):
+        prompt, reply = history + words(rng, 80), words(rng, 150)
+        out.append((prompt, reply))
+        history = prompt + reply
+    return out
+
+
+def agent(rng: random.Random) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    history, out = words(rng, 600), []
+    for _ in range(50):
+        call = words(rng, 40)
+        out.append((history, call))
+        history = history + call + words(rng, 200)  # the tool's result
+    return out
+
+
+def branching(rng: random.Random) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    history, out = words(rng, 400), []
+    for _ in range(6):
+        question = words(rng, 80)
+        prompt = history + question
+        answers = [words(rng, 150) for _ in range(4)]  # the answer, then three regenerates
+        out.extend((prompt, answer) for answer in answers)
+        out.append((history + question[:60] + words(rng, 20), words(rng, 150)))  # the question edited
+        history = prompt + answers[0]
+    return out
+
+
+WORKLOADS = {"chat": chat, "agent": agent, "branching": branching}
+
+
+def words(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(1, 500) for _ in range(n))
+
+
+def run_workload(model_name: str, workload: str, block_tokens: int | None, directory: str) -> dict:
+    """One workload on one storage: what it wrote, held and reused."""
+    import mlx.core as mx
+
+    from kvstate import KvCacheService, Request
+    from kvstate.models.reference import build
+
+    model, config = build("llama", seed=1, **MODELS[model_name])
+    options = {} if block_tokens is None else {"block_tokens": block_tokens}
+    service = KvCacheService.for_mlx(model, ram_bytes=4 << 30, disk_dir=directory, disk_bytes=64 << 30,
+                                     config=config, background_writes=False, **options)
+    reused = prompt_tokens = 0
+    started = time.perf_counter()
+    for prompt, reply in WORKLOADS[workload](random.Random(workload)):
+        request = Request(prompt, len(reply))
+        state = service.acquire(request, "bench")
+        mx.eval(model(mx.array([list(prompt[state.reused_tokens:] + reply)]), cache=state.caches))
+        service.publish(request, "bench", prompt + reply, state.caches)
+        service.release(request)
+        reused += state.reused_tokens
+        prompt_tokens += len(prompt)
+    seconds = time.perf_counter() - started
+    report = service.report()
+    ram = service.state.ram.bytes
+    service.close()
+    files = [path for path in Path(directory).rglob("*.safetensors") if "rejected" not in path.parts]
+    return {"bytes_written": report.bytes_written, "files": len(files),
+            "disk_bytes": sum(path.stat().st_size for path in files), "ram_bytes": ram, "reused": reused,
+            "prompt_tokens": prompt_tokens, "seconds": seconds}
+
+
+# ---------------------------------------------------------------- the baseline, from git
+
+
+def export_commit(revision: str, into: Path) -> Path:
+    """The package as ``revision`` has it, laid out for import under ``into`` (the folders the
+    project installs through package-dir, at their module paths)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", revision, *PACKAGE_DIRS],
+                             check=True, capture_output=True).stdout
+    raw = into / "raw"
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(raw, filter="data")
+    root = into / "site"
+    for folder, module in PACKAGE_DIRS.items():
+        target = root.joinpath(*module.split("."))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (raw / folder).rename(target)
+    return root
+
+
+def in_worker(site: Path | None, job: dict) -> dict:
+    """``job`` run by this file in a fresh process, importing the package from ``site`` (None: the
+    installed one)."""
+    environment = dict(os.environ)
+    if site is not None:
+        environment["PYTHONPATH"] = str(site)
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], check=True, capture_output=True,
+                          text=True, env=environment, cwd=site or REPO)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="HEAD~1", help="the commit whose whole-prefix storage is the baseline")
+    parser.add_argument("--models", default="tiny,small")
+    parser.add_argument("--workloads", default="chat,agent,branching")
+    parser.add_argument("--block-tokens", type=int, default=256)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        job = json.loads(args.worker)
+        print(json.dumps(run_workload(job["model"], job["workload"], job["block_tokens"], job["directory"])))
+        return
+    with tempfile.TemporaryDirectory() as work:
+        site = export_commit(args.baseline, Path(work))
+        baseline_name = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.baseline], check=True,
+                                       capture_output=True, text=True).stdout.strip()
+        print(f"blocks of {args.block_tokens} tokens against whole prefixes ({baseline_name} exported, and this "
+              f"commit with block_tokens=None); write-behind, every kept state written")
+        print(f"{'model':6} {'workload':10} {'storage':14} {'written MB':>10} {'files':>6} {'disk MB':>8} "
+              f"{'RAM MB':>7} {'reused':>7} {'s':>6}  blocks / baseline")
+        for model in args.models.split(","):
+            for workload in args.workloads.split(","):
+                rows = {}
+                for storage, where, block_tokens in (("baseline", site, None), ("whole", None, None),
+                                                     ("blocks", None, args.block_tokens)):
+                    directory = Path(work) / f"{model}-{workload}-{storage}"
+                    rows[storage] = in_worker(where, {"model": model, "workload": workload,
+                                                      "block_tokens": block_tokens, "directory": str(directory)})
+                base = rows["baseline"]
+                for storage, row in rows.items():
+                    ratios = ""
+                    if storage == "blocks":
+                        ratios = (f"written {row['bytes_written'] / base['bytes_written']:.3f}x, "
+                                  f"RAM {row['ram_bytes'] / base['ram_bytes']:.3f}x, "
+                                  f"reused {row['reused'] / max(1, base['reused']):.3f}x")
+                    print(f"{model:6} {workload:10} {storage:14} {row['bytes_written'] / 1e6:10.2f} {row['files']:6d} "
+                          f"{row['disk_bytes'] / 1e6:8.2f} {row['ram_bytes'] / 1e6:7.2f} {row['reused']:7d} "
+                          f"{row['seconds']:6.1f}  {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
