@@ -13,11 +13,13 @@ random weights, on this CPU, with a disk tier and write-behind (every kept state
 a request reuses what is kept, computes the rest and the reply, and publishes the prompt and the
 reply (as ``kvstate serve`` keeps the end of each turn); the next turn's prompt holds the reply;
 
-each three ways, side by side in one run: the previous commit's whole-prefix storage (``--baseline``,
+each four ways, side by side in one run: the previous commit's whole-prefix storage (``--baseline``,
 exported from git into a temporary folder and run there, as its own process), this commit with
-``block_tokens=None`` (whole prefixes), and this commit with blocks of ``--block-tokens``.
+``block_tokens=None`` (whole prefixes), with blocks of ``--block-tokens`` (partial last blocks
+kept), and with full blocks only (the tokens past the last full block dropped and recomputed).
 
     python bench/blocks.py [--baseline HEAD~1] [--models tiny,small] [--workloads chat,agent,branching]
+    python bench/blocks.py --restore 8000   # a verified restore, whole and in blocks, against a raw read
 
 Prints one row per model, workload and storage: bytes written, files on disk, RAM held at the end,
 prompt tokens reused, and the ratios of blocks to the baseline.
@@ -89,15 +91,17 @@ def words(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1, 500) for _ in range(n))
 
 
-def run_workload(model_name: str, workload: str, block_tokens: int | None, directory: str) -> dict:
-    """One workload on one storage: what it wrote, held and reused."""
+def run_workload(model_name: str, workload: str, block_tokens: int | None, directory: str,
+                 partial: bool = True) -> dict:
+    """One workload on one storage: what it wrote, held and reused (``partial``: partial last blocks
+    kept, else dropped and recomputed)."""
     import mlx.core as mx
 
     from kvstate import KvCacheService, Request
     from kvstate.models.reference import build
 
     model, config = build("llama", seed=1, **MODELS[model_name])
-    options = {} if block_tokens is None else {"block_tokens": block_tokens}
+    options = {} if block_tokens is None else {"block_tokens": block_tokens, "partial_blocks": partial}
     service = KvCacheService.for_mlx(model, ram_bytes=4 << 30, disk_dir=directory, disk_bytes=64 << 30,
                                      config=config, background_writes=False, **options)
     reused = prompt_tokens = 0
@@ -118,6 +122,57 @@ def run_workload(model_name: str, workload: str, block_tokens: int | None, direc
     return {"bytes_written": report.bytes_written, "files": len(files),
             "disk_bytes": sum(path.stat().st_size for path in files), "ram_bytes": ram, "reused": reused,
             "prompt_tokens": prompt_tokens, "seconds": seconds}
+
+
+# ---------------------------------------------------------------- a verified restore, whole or in blocks
+
+
+def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
+    """Seconds of a verified restore of a ``tokens``-token prefix at the Llama-3.1-8B geometry (128
+    KiB a token in bf16): read whole from one file, and assembled from its block files; against the
+    fastest plain read of the whole file's bytes into a reused buffer (``bench/disk.py``'s floor)."""
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from disk import best, caches_of, fastest_read
+
+    from kvstate.core.blocks import block_names
+    from kvstate.effects import DiskKey
+    from kvstate.interpreters.mlx import caches as mlx_caches
+    from kvstate.interpreters.mlx.blocks import assemble, cut
+    from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
+
+    caches = caches_of(tokens)
+    prompt = tuple(range(tokens))
+    with tempfile.TemporaryDirectory() as directory:
+        store = DiskStore(directory, StoreIdentity("bench", "none", "bench-blocks"))
+        key = DiskKey("bench", prompt)
+        store.commit(store.encode_prefix(key, caches, True, mlx_caches.live_bytes(caches)))
+        names = block_names("bench", prompt, block_tokens)
+        classes = [type(cache).__name__ for cache in caches]
+        for name in names:
+            store.commit(store.encode_block(name, cut(caches, name.start, name.start + len(name.tokens)), classes))
+        like = [type(cache)() for cache in caches]
+
+        def whole():
+            mx.eval(mlx_caches.arrays_of(store.read_prefix(key)))
+
+        def blocks():
+            mx.eval(mlx_caches.arrays_of(assemble([store.read_block(name) for name in names], like)))
+
+        def blocks_unjoined():
+            mx.eval([a for name in names for layer in store.read_block(name) for a in layer.values()])
+
+        path = str(store.prefix_path(key))
+        buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
+        raw = fastest_read(path, buffer, repeat)
+        figures = {"whole": best(whole, repeat), "blocks": best(blocks, repeat),
+                   "blocks, read only": best(blocks_unjoined, repeat)}
+        print(f"verified restore of {tokens:,} tokens ({os.path.getsize(path) / 1e6:,.0f} MB; {len(names)} block "
+              f"files of {block_tokens} tokens); raw read of the whole file {raw * 1e3:.0f} ms")
+        for name, seconds in figures.items():
+            print(f"  {name:18} {seconds * 1e3:8.0f} ms  {seconds / raw:5.2f}x the raw read")
 
 
 # ---------------------------------------------------------------- the baseline, from git
@@ -156,11 +211,18 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--workloads", default="chat,agent,branching")
     parser.add_argument("--block-tokens", type=int, default=256)
+    parser.add_argument("--restore", type=int, default=None, metavar="TOKENS",
+                        help="instead: time a verified restore of a prefix this long, whole and in blocks")
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.restore:
+        restore_figures(args.restore, args.block_tokens, args.repeat)
+        return
     if args.worker:
         job = json.loads(args.worker)
-        print(json.dumps(run_workload(job["model"], job["workload"], job["block_tokens"], job["directory"])))
+        print(json.dumps(run_workload(job["model"], job["workload"], job["block_tokens"], job["directory"],
+                                      job.get("partial", True))))
         return
     with tempfile.TemporaryDirectory() as work:
         site = export_commit(args.baseline, Path(work))
@@ -173,15 +235,16 @@ def main() -> None:
         for model in args.models.split(","):
             for workload in args.workloads.split(","):
                 rows = {}
-                for storage, where, block_tokens in (("baseline", site, None), ("whole", None, None),
-                                                     ("blocks", None, args.block_tokens)):
-                    directory = Path(work) / f"{model}-{workload}-{storage}"
-                    rows[storage] = in_worker(where, {"model": model, "workload": workload,
+                for storage, where, block_tokens, partial in (
+                        ("baseline", site, None, True), ("whole", None, None, True),
+                        ("blocks", None, args.block_tokens, True), ("full blocks", None, args.block_tokens, False)):
+                    directory = Path(work) / f"{model}-{workload}-{storage}".replace(" ", "-")
+                    rows[storage] = in_worker(where, {"model": model, "workload": workload, "partial": partial,
                                                       "block_tokens": block_tokens, "directory": str(directory)})
                 base = rows["baseline"]
                 for storage, row in rows.items():
                     ratios = ""
-                    if storage == "blocks":
+                    if storage in ("blocks", "full blocks"):
                         ratios = (f"written {row['bytes_written'] / base['bytes_written']:.3f}x, "
                                   f"RAM {row['ram_bytes'] / base['ram_bytes']:.3f}x, "
                                   f"reused {row['reused'] / max(1, base['reused']):.3f}x")

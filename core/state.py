@@ -148,6 +148,9 @@ class ServiceConfig:
     #: held once in RAM and written once to disk, shared by every prefix that contains it. None: each
     #: published prefix is kept whole. State that cannot be cut back is always kept whole.
     block_tokens: int | None = None
+    #: Whether the tokens past a prefix's last full block are kept, as a partial block (a longer
+    #: chain's full block supersedes it), or dropped, to be recomputed by the next request.
+    partial_blocks: bool = True
     #: Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps entries
     #: in order of last use (:mod:`~kvstate.core.idle`); worked out once, since every use asks.
     idle_rules: bool = attrs.field(init=False, eq=False, repr=False)

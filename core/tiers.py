@@ -391,7 +391,10 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
     by a whole entry (state kept whole before): then the offer is kept whole too."""
     data = packed(offer.tokens)
     links, parent = [], namespace_key(offer.namespace)
-    for (start, stop), (nbytes, file_bytes) in zip(spans(len(offer.tokens), d.config.block_tokens), offer.blocks):
+    cuts = spans(len(offer.tokens), d.config.block_tokens)
+    if not d.config.partial_blocks and cuts and cuts[-1][1] - cuts[-1][0] < d.config.block_tokens:
+        cuts = cuts[:-1]
+    for (start, stop), (nbytes, file_bytes) in zip(cuts, offer.blocks):
         path = data[:stop * WIDTH]
         key = block_key(parent, data[start * WIDTH:stop * WIDTH])
         found = d.ram.index.exact(offer.namespace, path)
@@ -425,6 +428,10 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     links = _chain_links(d, offer)
     if links is None:
         return keep(d, attrs.evolve(offer, blocks=()))
+    if not links:
+        d.count("not_kept")
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(NotKeptReason.NO_FULL_BLOCK)
     missing = [link for link in links if link.held is None or link.held.residence not in IN_RAM]
     if not missing:
         for link in reversed(links):  # the last block first: a chain's start is its most recently used

@@ -519,9 +519,17 @@ class BlockedServiceMachine(TieredServiceMachine):
     """The tiered machine with published KV kept in blocks of 4 tokens: reuse, content, bytes and
     faults checked as there, and the block tree against a naive recount after every step."""
 
+    @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans(),
+                header=st.sampled_from([0, 64, 700]), per_token=st.sampled_from([0, 8]),
+                idle_rule=st.sampled_from(["demote", "write", "both"]), partial=st.booleans())
+    def build(self, policy, hybrid, header, per_token, idle_rule, partial):
+        self.partial = partial
+        super().build(policy, hybrid, header, per_token, idle_rule)
+
     def restarted(self):
         return self.make_service(
             policy=self.policy, disk_bytes=DISK, write_queue_bytes=RAM // 2, block_tokens=BLOCK,
+            partial_blocks=self.partial,
             **({"demote_idle_after": IDLE} if self.idle_rule != "write" else {}),
             **({"write_idle_after": IDLE} if self.idle_rule != "demote" else {}),
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
@@ -555,6 +563,8 @@ class BlockedServiceMachine(TieredServiceMachine):
             assert entry.children == len(children)
             assert entry.ram_children == sum(c.residence in IN_RAM for c in children)
             assert entry.disk_children == sum(c.residence in ON_DISK for c in children)
+            if entry.is_block and not self.partial:  # without partial blocks, every block is full
+                assert entry.length - entry.start == BLOCK
             if entry.parent is None:
                 assert entry.start == 0
                 continue
