@@ -23,6 +23,7 @@ representation of the state.
 
     python bench/decisions.py [--sizes 1000,10000,100000] [--samples 300]
     python bench/decisions.py --parts
+    python bench/decisions.py --block-tokens 256   # the service keeps state in blocks
 """
 
 from __future__ import annotations
@@ -58,16 +59,21 @@ def hit_prompt(k: int, entries: int) -> tuple[int, ...]:
     return entry_tokens((k * 7919) % entries) + HIT_TAIL
 
 
+#: Tokens per block where the service keeps state in blocks (``--block-tokens``; None: whole prefixes).
+BLOCKS: dict[str, int] = {}
+
+
 def build(entries: int, samples: int, with_peer: bool = True) -> tuple[KvCacheService, LRUPromptCache | None]:
     capacity = SPEC.bytes_for(SYSTEM + TURN) * entries + SPEC.bytes_for(PROMPT) * (samples + 8)
-    service = KvCacheService.simulated(SPEC, ram_bytes=capacity, kv_budget_bytes=SPEC.bytes_for(PROMPT + 256) * 4096)
+    service = KvCacheService.simulated(SPEC, ram_bytes=capacity, kv_budget_bytes=SPEC.bytes_for(PROMPT + 256) * 4096,
+                                       **BLOCKS)
     peer = LRUPromptCache(max_size=1 << 62) if with_peer else None
     for i in range(entries):
         tokens = entry_tokens(i)
         service.publish(Request(tokens, 1), "bench", tokens, SimCaches(tokens, SPEC))
         if peer is not None:
             peer.insert_cache("bench", list(tokens), [])
-    assert service.report().entries == entries and (peer is None or len(peer) == entries)
+    assert (BLOCKS or service.report().entries == entries) and (peer is None or len(peer) == entries)
     return service, peer
 
 
@@ -331,7 +337,11 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true",
                         help="time kvstate alone (the peer's trie needs tens of GB at 100k entries)")
     parser.add_argument("--parts", action="store_true", help="time each part of one request's decisions instead")
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="the service keeps state in blocks of this many tokens (default: whole prefixes)")
     args = parser.parse_args()
+    if args.block_tokens:
+        BLOCKS["block_tokens"] = args.block_tokens
     if args.parts:
         parts()
         return

@@ -62,6 +62,7 @@ class Draft:
     acquiring: Any
     checkpoints: Any
     sessions: Any
+    blocks: Any
     idle: Any
     counters: Any
     next_entry: int

@@ -84,6 +84,9 @@ class Publish(Event):
     #: Where the config keeps state in blocks and these caches can be cut: each block's ``(nbytes,
     #: file_bytes)``, in the order of :func:`~kvstate.core.blocks.spans` (empty: kept whole).
     blocks: tuple[tuple[int, int], ...] = ()
+    #: Where some layers cannot be cut: the ``(nbytes, file_bytes)`` of their state at the end, kept as
+    #: a snapshot on the chain of the other layers' blocks (None: every layer is cut, or kept whole).
+    snapshot: tuple[int, int] | None = None
 
 
 @attrs.frozen

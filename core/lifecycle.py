@@ -22,7 +22,7 @@ from kvstate.core.state import (
     EMPTY, IN_RAM, OBJECTS, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
 from kvstate.core.tiers import (
-    boundary as give_back_one, count_child, drop_ram, insert_disk, make_disk_room, over_limits, ram_prefixes,
+    add_entry, boundary as give_back_one, drop_ram, insert_disk, make_disk_room, over_limits, ram_prefixes,
     start_spill, tick as clock_tick,
 )
 from kvstate.core.tokens import packed
@@ -44,8 +44,10 @@ def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
         nonlocal found
         name = block.name
         found += block.file_bytes
-        path = (parent.packed if parent is not None else b"") + packed(name.tokens)
-        if d.disk.index.exact(name.namespace, path) is not None:
+        snapshot = isinstance(name, fx.SnapshotName)
+        path = packed(name.tokens) if snapshot else (parent.packed if parent is not None else b"") + packed(name.tokens)
+        if (not snapshot and (name.namespace, name.key) in d.blocks) or (
+                snapshot and d.disk.index.exact(name.namespace, path) is not None):
             return
         tag = content_tag(name.namespace, path)
         d.disk.policy = d.disk.strategy.arriving(d.disk.policy, tag)
@@ -53,17 +55,19 @@ def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
             d.out.append(fx.DeleteFile(name))
             d.count("disk_evictions")
             return
-        entry = Entry(d.new_entry_id(), name.namespace, path, block.nbytes, True, R.DISK, d.now, None, False, tag,
-                      file_bytes=block.file_bytes, parent=parent.id if parent is not None else None,
-                      start=name.start, block=name.key)
-        d.set_entry(entry)
-        count_child(d, entry, children=1)
+        entry = Entry(d.new_entry_id(), name.namespace, path, block.nbytes, not snapshot and block.trimmable, R.DISK,
+                      d.now, None, False, tag, file_bytes=block.file_bytes,
+                      parent=parent.id if parent is not None else None,
+                      start=len(name.tokens) if snapshot else name.start, block=None if snapshot else name.key)
+        add_entry(d, entry)
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)
+        if snapshot:
+            return
         entered[name.namespace, name.key] = entry.id
         for child in waiting.pop((name.namespace, name.key), ()):
             parent_now = d.entries.get(entry.id)
-            if parent_now is not None and child.name.start == parent_now.length:
+            if parent_now is not None and _extends(child.name, parent_now):
                 enter(child, parent_now)
             else:
                 orphan(child)
@@ -77,12 +81,13 @@ def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
     for block in sorted(saved, key=lambda b: b.used_at):
         name = block.name
         check_namespace(name.namespace)
-        first = name.parent == namespace_key(name.namespace)
+        snapshot = isinstance(name, fx.SnapshotName)
+        first = not snapshot and name.parent == namespace_key(name.namespace)
         parent = d.entries.get(entered.get((name.namespace, name.parent), 0)) if not first else None
-        if block_key(name.parent, packed(name.tokens)) != name.key or (first and name.start != 0):
+        if not snapshot and (block_key(name.parent, packed(name.tokens)) != name.key or (first and name.start != 0)):
             orphan(block)
         elif first or parent is not None:
-            if parent is None or parent.length == name.start:
+            if parent is None or _extends(name, parent):
                 enter(block, parent)
             else:
                 orphan(block)
@@ -94,6 +99,14 @@ def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
         for block in children:
             orphan(block)
     return found
+
+
+def _extends(name: fx.BlockName | fx.SnapshotName, parent: Entry) -> bool:
+    """Whether the saved block or snapshot ``name`` follows block ``parent``: a block starts where it
+    ends; a snapshot is the state at its end, after its tokens."""
+    if isinstance(name, fx.SnapshotName):
+        return len(name.tokens) == parent.length and packed(name.tokens[:parent.length]) == parent.packed
+    return name.start == parent.length
 
 
 def flush_result(state: ServiceState | Draft) -> FlushResult:

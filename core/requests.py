@@ -108,7 +108,7 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
     d = Draft(state)
     reply = keep(d, Offer(namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
-                          protected, blocks=e.blocks if e.trimmable and namespace != OBJECTS else ()))
+                          protected, blocks=_blocks_of(e, namespace), snapshot=e.snapshot if e.blocks else None))
     if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
         # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
         d = Draft(state)
@@ -116,6 +116,13 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
         d.out.append(fx.Sync())
         return d.step(Pending())
     return d.step(reply)
+
+
+def _blocks_of(e: ev.Publish, namespace: str) -> tuple[tuple[int, int], ...]:
+    """The blocks a publish is kept in: every layer cut (trimmable), or a snapshot beside them."""
+    if namespace == OBJECTS or not (e.trimmable or e.snapshot is not None):
+        return ()
+    return e.blocks
 
 
 def _check_blocks(state: ServiceState, e: ev.Publish) -> None:
@@ -127,8 +134,9 @@ def _check_blocks(state: ServiceState, e: ev.Publish) -> None:
     if len(e.blocks) != expected:
         raise InvalidRequest(f"a publish of {len(e.tokens)} tokens in blocks of {block_tokens} names "
                              f"{len(e.blocks)} blocks' sizes; it is cut into {expected}")
-    for nbytes, file_bytes in e.blocks:
+    for nbytes, file_bytes in e.blocks + ((e.snapshot,) if e.snapshot is not None else ()):
         check_sizes(nbytes, file_bytes)
+
 
 
 def release(state: ServiceState, e: ev.Release):

@@ -108,7 +108,7 @@ def chain_of(d: Draft, entry: Entry, length: int) -> list[Entry]:
     chain = []
     block: Entry | None = entry
     while block is not None:
-        if block.start < length:
+        if block.start < length or block.is_snapshot:
             chain.append(block)
         block = d.entries.get(block.parent) if block.parent is not None else None
     chain.reverse()
@@ -118,7 +118,7 @@ def chain_of(d: Draft, entry: Entry, length: int) -> list[Entry]:
 def _read_bytes(d: Draft, entry: Entry, length: int) -> int:
     """The bytes read from disk to serve ``length`` tokens through saved ``entry``: its file, or, for a
     block, the files of the blocks of its chain RAM does not hold."""
-    if not entry.is_block:
+    if not entry.chained:
         return entry.file_bytes
     return sum(block.file_bytes for block in chain_of(d, entry, length) if block.residence not in IN_RAM)
 
@@ -131,7 +131,7 @@ def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
     """Read saved ``entry_id`` into ``handle``, trimmed to ``length``; a block's chain is assembled from
     the blocks RAM holds and the files of those it does not (each file pinned until the read is over)."""
     entry = d.entries[entry_id]
-    if not entry.is_block:
+    if not entry.chained:
         d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), length, handle))
         _pin(d, entry.id)
         return
@@ -149,7 +149,7 @@ def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
 def _serve_from_ram(d: Draft, entry: Entry, length: int, handle: int) -> None:
     """Hand the first ``length`` tokens RAM ``entry`` serves to ``handle``: a copy, or, for a block, its
     chain assembled; every block used is touched."""
-    if not entry.is_block:
+    if not entry.chained:
         d.out.append(fx.CloneEntry(entry.id, length, handle))
         touch(d, entry)
         return
@@ -274,10 +274,10 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         d.out.append(fx.DropPublished(e.handle))
         return d.step(None)
     for block in read:
-        if block.is_block:
+        if block.chained:
             touch(d, d.entries[block.id], disk=True)
     if waiting.lookup is not None:
-        if entry is not None and not entry.is_block:
+        if entry is not None and not entry.chained:
             touch(d, entry, disk=True)
         d.count("restores")
         return d.step(_looked_up(d, e.handle, waiting.tokens, Source.DISK))
@@ -288,7 +288,7 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         d.count("object_hits")
         d.count("object_restores")
         return d.step(ObjectFound(e.handle, Source.DISK))
-    if entry is not None and not entry.is_block:
+    if entry is not None and not entry.chained:
         touch(d, entry, disk=True)
     d.count("restores")
     reply = finish_acquire(d, waiting.lease, e.handle, Served(waiting.tokens, Source.DISK, e.entry))

@@ -247,6 +247,24 @@ class Entry(PackedIds):
     def is_block(self) -> bool:
         return self.block is not None
 
+    @property
+    def is_snapshot(self) -> bool:
+        """A snapshot: the state of the layers that cannot be cut (recurrent, sliding windows) at the
+        end of its ``parent``'s chain of blocks, which hold the other layers' state. Serves its exact
+        length, with that chain."""
+        return self.block is None and self.parent is not None
+
+    @property
+    def chained(self) -> bool:
+        """Whether serving it means assembling a chain of blocks (a block, or a snapshot)."""
+        return self.parent is not None or self.block is not None
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the prefix index holds it: everything but a block that cannot serve alone (one of a
+        model whose other layers cannot be cut: only a snapshot at its end serves it)."""
+        return self.trimmable or self.block is None
+
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
         commonest change)."""
@@ -425,6 +443,7 @@ class ServiceState:
     acquiring: immutables.Map = EMPTY       # handle -> Waiting, for acquires waiting on a read
     checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
     sessions: immutables.Map = EMPTY        # session id -> (namespace, packed ids) it last kept
+    blocks: immutables.Map = EMPTY          # (namespace, chain key) -> block entry id
     idle: IdleOrder = IdleOrder()           # entries in order of last use, where idle_rules
     counters: Counters = Counters()
     next_entry: int = 1

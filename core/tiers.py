@@ -123,17 +123,34 @@ def drop_disk(d: Draft, entry: Entry, delete: bool) -> None:
 def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residence | None, **changes) -> None:
     """``entry`` leaves ``tier`` (its index, its ``charge`` of bytes, its policy) for residence
     ``after``; None: the entry is gone."""
-    tier.index = tier.index.remove(entry.namespace, entry.packed)
+    if entry.indexed:
+        tier.index = tier.index.remove(entry.namespace, entry.packed)
     tier.bytes -= charge
     tier.policy = tier.strategy.removed(tier.policy, entry.id)
     if after is None:
         if entry.children:  # only where everything goes (close, a rejected file): what extends it is unusable
             _drop_extensions(d, entry)
-        d.entries = d.entries.delete(entry.id)
+        _delete(d, entry)
         count_child(d, entry, children=-1)
     else:
         d.set_entry(attrs.evolve(d.entries[entry.id], residence=after, **changes))
     count_child(d, entry, **{"ram_children" if tier is d.ram else "disk_children": -1})
+
+
+def _delete(d: Draft, entry: Entry) -> None:
+    """``entry`` is gone from the state (and, a block, from the blocks by key)."""
+    d.entries = d.entries.delete(entry.id)
+    if entry.is_block:
+        d.blocks = d.blocks.delete((entry.namespace, entry.block))
+
+
+def add_entry(d: Draft, entry: Entry) -> None:
+    """A new ``entry`` joins the state: a block is known by its key, and counted by its parent."""
+    d.set_entry(entry)
+    if entry.is_block:
+        d.blocks = d.blocks.set((entry.namespace, entry.block), entry.id)
+    if entry.parent is not None:
+        count_child(d, entry, children=1)
 
 
 def count_child(d: Draft, entry: Entry, **by: int) -> None:
@@ -158,32 +175,37 @@ def _forget(d: Draft, entry: Entry) -> None:
         d.out.append(fx.DropEntry(entry.id))
     if entry.residence in (R.BOTH, R.DISK, R.SPILLING, R.PREFETCHING):
         d.out.append(fx.DeleteFile(saved_name(d, entry)))
-    if entry.residence in IN_RAM:
+    if entry.residence in IN_RAM and entry.indexed:
         d.ram.index = d.ram.index.remove(entry.namespace, entry.packed)
+    if entry.residence in IN_RAM:
         d.ram.bytes -= entry.nbytes
         d.ram.policy = d.ram.strategy.removed(d.ram.policy, entry.id)
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING):
-        d.disk.index = d.disk.index.remove(entry.namespace, entry.packed)
+        if entry.indexed:
+            d.disk.index = d.disk.index.remove(entry.namespace, entry.packed)
         d.disk.policy = d.disk.strategy.removed(d.disk.policy, entry.id)
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING, R.SPILLING):
         d.disk.bytes -= entry.file_bytes
     if entry.residence is R.SPILLING:
         d.writes_add(-1, -entry.nbytes)
-    d.entries = d.entries.delete(entry.id)
+    _delete(d, entry)
 
 
 def saved_name(d: Draft, entry: Entry) -> fx.DiskKey | fx.BlockName:
     """What ``entry``'s saved copy is named by: its tokens for a whole prefix, its chain for a block."""
-    if entry.block is None:
-        return fx.DiskKey(entry.namespace, entry.tokens)
     parent = d.entries.get(entry.parent) if entry.parent is not None else None
+    if entry.block is None:
+        if parent is not None:
+            return fx.SnapshotName(entry.namespace, entry.tokens, parent.block)
+        return fx.DiskKey(entry.namespace, entry.tokens)
     parent_key = parent.block if parent is not None else namespace_key(entry.namespace)
     return fx.BlockName(entry.namespace, entry.block, parent_key, entry.start, ids_of(entry.packed[entry.start * WIDTH:]))
 
 def insert_ram(d: Draft, entry: Entry) -> None:
     """Index ``entry`` (already set in a RAM residence) and tell the policy."""
     ram = d.ram
-    ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
+    if entry.indexed:
+        ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
     count_child(d, entry, ram_children=1)
     _used(d, d.entries[entry.id])
@@ -199,14 +221,18 @@ def _idle_again(d: Draft, entry_id: int) -> None:
     """Entry ``entry_id`` is RAM-only again (its write failed, or the disk dropped its file): where idle
     entries are written, it waits another idle spell before it is written again."""
     entry = d.entries[entry_id]
-    if d.config.write_idle_after is not None and entry.last_used != d.now:
-        d.set_entry(entry.used(d.now, entry.read_errors))
+    if d.config.write_idle_after is not None:
+        if entry.last_used != d.now:
+            d.set_entry(entry.used(d.now, entry.read_errors))
+        # A slot even where it was used this instant: the order's front may have passed its slot while
+        # its write was in flight (nothing for the clock to do then).
         _used(d, d.entries[entry_id])
 
 
 def insert_disk(d: Draft, entry: Entry) -> None:
     disk = d.disk
-    disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
+    if entry.indexed:
+        disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, entry.length, entry.tag)
     count_child(d, entry, disk_children=1)
 
@@ -315,6 +341,9 @@ class Offer:
     #: Where the state is kept in blocks: each block's ``(nbytes, file_bytes)``, in the order of
     #: :func:`~kvstate.core.blocks.spans` (empty: kept whole).
     blocks: tuple[tuple[int, int], ...] = ()
+    #: Where some layers cannot be cut (recurrent, sliding windows): the ``(nbytes, file_bytes)`` of
+    #: their state at the end, kept as a snapshot on the chain of the other layers' blocks.
+    snapshot: tuple[int, int] | None = None
 
 
 def keep(d: Draft, offer: Offer) -> object:
@@ -392,18 +421,21 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
     data = packed(offer.tokens)
     links, parent = [], namespace_key(offer.namespace)
     cuts = spans(len(offer.tokens), d.config.block_tokens)
-    if not d.config.partial_blocks and cuts and cuts[-1][1] - cuts[-1][0] < d.config.block_tokens:
-        cuts = cuts[:-1]
+    if (not d.config.partial_blocks and offer.snapshot is None and cuts
+            and cuts[-1][1] - cuts[-1][0] < d.config.block_tokens):
+        cuts = cuts[:-1]  # a snapshot needs the blocks up to its end: only plain KV drops its partial block
     for (start, stop), (nbytes, file_bytes) in zip(cuts, offer.blocks):
         path = data[:stop * WIDTH]
         key = block_key(parent, data[start * WIDTH:stop * WIDTH])
-        found = d.ram.index.exact(offer.namespace, path)
-        if found is None and d.config.has_disk:
-            found = d.disk.index.exact(offer.namespace, path)
+        found = d.blocks.get((offer.namespace, key))
+        if found is None:  # a whole entry at this path (state kept whole before): the offer is kept whole too
+            indexed = d.ram.index.exact(offer.namespace, path)
+            if indexed is None and d.config.has_disk:
+                indexed = d.disk.index.exact(offer.namespace, path)
+            if indexed is not None and not d.entries[indexed].chained:
+                return None
         held = d.entries[found] if found is not None else None
-        if held is not None and held.block != key:
-            return None
-        if held is None and stop - start < d.config.block_tokens:
+        if held is None and offer.snapshot is None and stop - start < d.config.block_tokens:
             held = _covering(d, offer.namespace, path, start)
         links.append(_Link(start, stop, path, key, nbytes, file_bytes, held))
         parent = key
@@ -417,7 +449,7 @@ def _covering(d: Draft, namespace: str, path: bytes, start: int) -> Entry | None
     entry = d.entries[found] if found is not None and covered * WIDTH == len(path) else None
     while entry is not None and entry.start > start:
         entry = d.entries.get(entry.parent) if entry.parent is not None else None
-    return entry if entry is not None and entry.start == start and entry.is_block else None
+    return entry if entry is not None and entry.start == start and entry.is_block and entry.trimmable else None
 
 
 def _keep_blocks(d: Draft, offer: Offer) -> object:
@@ -426,22 +458,27 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     blocks the chain builds on. The reply names the chain's last block."""
     namespace, handle = offer.namespace, offer.handle
     links = _chain_links(d, offer)
-    if links is None:
-        return keep(d, attrs.evolve(offer, blocks=()))
+    snapshot = _held_snapshot(d, offer) if offer.snapshot is not None else None
+    if links is None or snapshot is False:
+        return keep(d, attrs.evolve(offer, blocks=(), snapshot=None))
     if not links:
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
         return NotKept(NotKeptReason.NO_FULL_BLOCK)
     missing = [link for link in links if link.held is None or link.held.residence not in IN_RAM]
-    if not missing:
+    snapshot_missing = offer.snapshot is not None and (snapshot is None or snapshot.residence not in IN_RAM)
+    if not missing and not snapshot_missing:
         for link in reversed(links):  # the last block first: a chain's start is its most recently used
             touch(d, d.entries[link.held.id])
+        last = links[-1].held if snapshot is None else snapshot
+        if snapshot is not None:
+            touch(d, d.entries[snapshot.id])
         d.count("duplicates")
         if offer.session is not None:
-            d.sessions = d.sessions.set(offer.session, (namespace, links[-1].path))
+            d.sessions = d.sessions.set(offer.session, (namespace, d.entries[last.id].packed))
         d.out.append(fx.DropPublished(handle))
-        return Kept(links[-1].held.id, duplicate=True)
-    need = sum(link.nbytes for link in missing)
+        return Kept(last.id, duplicate=True)
+    need = sum(link.nbytes for link in missing) + (offer.snapshot[0] if snapshot_missing else 0)
     for link in missing:
         if link.held is None:
             d.ram.policy = d.ram.strategy.arriving(d.ram.policy, content_tag(namespace, link.path))
@@ -463,16 +500,18 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
             d.ram.bytes += held.nbytes
             d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
         else:
-            held = Entry(d.new_entry_id(), namespace, link.path, link.nbytes, True, R.RAM, d.now, offer.session,
-                         offer.protected, content_tag(namespace, link.path), file_bytes=link.file_bytes,
-                         parent=parent, start=link.start, block=link.key)
-            d.set_entry(held)
-            count_child(d, held, children=1)
+            # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
+            held = Entry(d.new_entry_id(), namespace, link.path, link.nbytes, offer.snapshot is None, R.RAM, d.now,
+                         offer.session, offer.protected, content_tag(namespace, link.path),
+                         file_bytes=link.file_bytes, parent=parent, start=link.start, block=link.key)
+            add_entry(d, held)
             d.ram.bytes += held.nbytes
             insert_ram(d, held)
             d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
             new.append(held.id)
         parent = held.id
+    if offer.snapshot is not None:
+        parent = _keep_snapshot(d, offer, d.entries.get(snapshot.id) if snapshot is not None else None, parent, new)
     d.out.append(fx.DropPublished(handle))
     if config.has_disk and config.write_behind and config.write_idle_after is None:
         for entry_id in new:
@@ -480,13 +519,50 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
             if entry.residence is R.RAM and spill_pays(d, entry):
                 start_spill(d, entry)
     last = d.entries[parent]
-    _drop_served_prefixes(d, last)
+    if last.trimmable:
+        _drop_served_prefixes(d, last)
     if offer.session is not None:
         d.sessions = d.sessions.set(offer.session, (namespace, last.packed))
     if offer.notify:
         d.out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(offer.tokens))))
     d.count("kept")
     return Kept(last.id)
+
+
+def _held_snapshot(d: Draft, offer: Offer) -> Entry | None | bool:
+    """The snapshot held at the end of ``offer``'s tokens (None: none; False: a whole entry is there)."""
+    found = d.ram.index.exact(offer.namespace, offer.tokens)
+    if found is None and d.config.has_disk:
+        found = d.disk.index.exact(offer.namespace, offer.tokens)
+    if found is None:
+        return None
+    entry = d.entries[found]
+    return entry if entry.is_snapshot else False
+
+
+def _keep_snapshot(d: Draft, offer: Offer, held: Entry | None, parent: int, new: list[int]) -> int:
+    """The snapshot at the end of ``offer``'s chain (whose last block is ``parent``) in RAM: used if
+    held there, its RAM copy regained if saved, else kept from the staged caches; its id."""
+    if held is not None and held.residence in IN_RAM:
+        touch(d, held)
+        return held.id
+    if held is not None:
+        held = attrs.evolve(held, residence=moved(held.residence, Move.ADOPT), last_used=d.now)
+        d.set_entry(held)
+        insert_ram(d, held)
+        d.ram.bytes += held.nbytes
+    else:
+        data = packed(offer.tokens)
+        nbytes, file_bytes = offer.snapshot
+        held = Entry(d.new_entry_id(), offer.namespace, data, nbytes, False, R.RAM, d.now, offer.session,
+                     offer.protected, content_tag(offer.namespace, data), file_bytes=file_bytes, parent=parent,
+                     start=len(offer.tokens))
+        add_entry(d, held)
+        d.ram.bytes += held.nbytes
+        insert_ram(d, held)
+        new.append(held.id)
+    d.out.append(fx.KeepSnapshot(offer.handle, held.id))
+    return held.id
 
 
 def _drop_served_prefixes(d: Draft, longer: Entry) -> None:
@@ -628,7 +704,13 @@ def _give_back_idle_parents(d: Draft, entry: Entry, idle_since: float) -> None:
     by nothing in RAM go as well (leaf first, within one tick)."""
     while entry.parent is not None:
         entry = d.entries.get(entry.parent)
-        if entry is None or entry.last_used > idle_since or not can_give_back(entry):
+        if entry is None or entry.last_used > idle_since or entry.ram_children:
+            return
+        if entry.residence is R.SPILLING:  # being written (as the parent of a block written after it)
+            if not entry.demote:
+                d.set_entry(attrs.evolve(entry, demote=True))
+            return
+        if not can_give_back(entry):
             return
         give_back(d, entry)
 
@@ -661,7 +743,7 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
     if disk_len <= ram_len:
         return False
     entry = d.entries[disk_entry]
-    if entry.residence is not R.DISK or disk_entry in d.reading or entry.is_block:
+    if entry.residence is not R.DISK or disk_entry in d.reading or entry.chained:
         return False  # blocks are read when a request assembles them, only those RAM lacks
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, entry.tag)
     if not make_ram_room(d, entry.nbytes):

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from kvstate.effects.effects import BlockName, CheckpointMeta
+from kvstate.effects.effects import BlockName, CheckpointMeta, SnapshotName
 
 
 class FailureReason(enum.Enum):
@@ -156,13 +156,17 @@ class SavedRecord:
 
 @attrs.frozen
 class SavedBlock:
-    """One block saved state holds (:class:`~kvstate.effects.effects.BlockName` names it), as a scan of
-    its header found it: its bytes in RAM and on disk, and its file's own time."""
+    """One block, or snapshot, saved state holds (named by a :class:`~kvstate.effects.effects.BlockName`
+    or a :class:`~kvstate.effects.effects.SnapshotName`), as a scan of its header found it: its bytes
+    in RAM and on disk, and its file's own time."""
 
-    name: BlockName
+    name: BlockName | SnapshotName
     nbytes: int
     file_bytes: int
     used_at: float = 0.0
+    #: Whether a block's state can serve any shorter prefix alone (plain KV), or only with a snapshot at
+    #: its chain's end (a model whose other layers cannot be cut).
+    trimmable: bool = True
 
 
 @attrs.frozen

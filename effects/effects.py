@@ -34,6 +34,16 @@ class BlockName:
 
 
 @attrs.frozen
+class SnapshotName:
+    """A snapshot's name: its namespace, the tokens it is the state after, and the chain key of the
+    block its chain ends in (the block holding the other layers' state up to its end)."""
+
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    parent: bytes = attrs.field(repr=lambda k: k.hex()[:12])
+
+
+@attrs.frozen
 class CheckpointMeta:
     """What a generation checkpoint records beside its caches."""
 
@@ -88,17 +98,28 @@ class KeepBlock(Effect):
 
 
 @attrs.frozen
+class KeepSnapshot(Effect):
+    """The state of the layers that cannot be cut, in the caches staged under ``handle`` (at their
+    end), becomes kept RAM snapshot ``entry`` (the staged caches stay staged)."""
+
+    handle: int
+    entry: int
+
+
+@attrs.frozen
 class BlockPart:
-    """One block of an assembly: RAM ``entry``, or, where ``saved`` names it, read from its file."""
+    """One part of an assembly: RAM ``entry``, or, where ``saved`` names it, read from its file. A
+    snapshot is the last part of its chain."""
 
     entry: int
-    saved: BlockName | None = None
+    saved: BlockName | SnapshotName | None = None
 
 
 @attrs.frozen
 class AssembleBlocks(Effect):
     """Caches of the consecutive ``blocks`` (first position first), trimmed to their first ``tokens``
-    tokens, into ``handle``. Completes where a part is read from disk (``RestoreDone`` naming the last
+    tokens, into ``handle``; where the last part is a snapshot, the layers that cannot be cut are its
+    (its length is ``tokens``). Completes where a part is read from disk (``RestoreDone`` naming the last
     block, or ``RestoreFailed`` naming the block that failed); otherwise answers nothing, as a clone."""
 
     handle: int
@@ -130,7 +151,7 @@ class SpillEntry(Effect):
     in RAM, a file of ``file_bytes``); completes, possibly later."""
 
     entry: int
-    key: DiskKey | BlockName
+    key: DiskKey | BlockName | SnapshotName
     nbytes: int
     trimmable: bool
     file_bytes: int
@@ -158,7 +179,7 @@ class PrefetchEntry(Effect):
 class DeleteFile(Effect):
     """Delete the saved state under ``key`` (evicted from the disk tier): a prefix's or a block's."""
 
-    key: DiskKey | BlockName
+    key: DiskKey | BlockName | SnapshotName
 
 
 @attrs.frozen

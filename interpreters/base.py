@@ -29,6 +29,16 @@ class CacheFacts:
     trimmable: bool
 
 
+@attrs.frozen
+class BlockSizes:
+    """What state in blocks takes, as an interpreter measures it: each block's ``(nbytes, file_bytes)``
+    (of the layers that can be cut), and, where some layers cannot be cut, their state's at the end
+    (kept as a snapshot; None where every layer is cut)."""
+
+    blocks: tuple[tuple[int, int], ...]
+    snapshot: tuple[int, int] | None = None
+
+
 class InterpreterError(KvStateError, AssertionError):
     """An effect the interpreter cannot carry out: the core asked for something impossible (a bug)."""
 
@@ -39,6 +49,7 @@ PERFORMERS: dict[type, str] = {
     fx.CloneEntry: "_clone_entry",
     fx.AdoptPublished: "_adopt_published",
     fx.KeepBlock: "_keep_block",
+    fx.KeepSnapshot: "_keep_snapshot",
     fx.AssembleBlocks: "_assemble_blocks",
     fx.DropPublished: "_drop_published",
     fx.DropEntry: "_drop_entry",
@@ -80,10 +91,10 @@ class Interpreter(Protocol):
         """The bytes the checkpoint file of the caches staged under ``handle`` would take."""
 
     def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
-                    spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
-        """Where the caches staged under ``handle`` (covering ``tokens``) can be cut into blocks at
-        ``spans``: each block's bytes in RAM and its file's bytes (0 without a disk tier); None where
-        they cannot (kept whole)."""
+                    spans: tuple[tuple[int, int], ...]) -> BlockSizes | None:
+        """Where the caches staged under ``handle`` (covering ``tokens``) can be kept in blocks at
+        ``spans``: each block's bytes in RAM and its file's bytes (0 without a disk tier), and the
+        snapshot's where some layers cannot be cut; None where no layer can be cut (kept whole)."""
 
     def take(self, handle: int) -> Any:
         """Hand the caches under ``handle`` to the caller."""

@@ -30,7 +30,7 @@ from kvstate.core.state import (
 )
 from kvstate.core.transitions import optional_bytes, step
 from kvstate.effects.effects import CheckpointMeta, DiskKey
-from kvstate.interpreters.base import CacheFacts, Interpreter
+from kvstate.interpreters.base import BlockSizes, CacheFacts, Interpreter
 from kvstate.models.spec import ModelSpec
 
 DEFAULT_NAMESPACE = "default"
@@ -264,8 +264,9 @@ class KvCacheService:
             try:
                 covered = len(tokens) if facts.covered is None else facts.covered  # recurrent state knows no length
                 file_bytes = self._file_bytes(handle, namespace, tokens, facts)
+                sizes = self._block_sizes(handle, namespace, tokens)
                 event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable,
-                                   file_bytes, self._block_bytes(handle, namespace, tokens, facts))
+                                   file_bytes, sizes.blocks if sizes else (), sizes.snapshot if sizes else None)
                 return isinstance(self._run(event), Kept)  # under backpressure the core waits for writes
             except BaseException:
                 self._interpreter.unstage(handle)
@@ -277,14 +278,13 @@ class KvCacheService:
             return 0
         return self._interpreter.file_bytes(handle, DiskKey(namespace, tokens), facts)
 
-    def _block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
-                     facts: CacheFacts) -> tuple[tuple[int, int], ...]:
-        """Where the config keeps state in blocks and the staged caches can be cut: each block's bytes in
-        RAM and on disk (empty: kept whole)."""
+    def _block_sizes(self, handle: int, namespace: str, tokens: tuple[int, ...]) -> BlockSizes | None:
+        """Where the config keeps state in blocks and some layers of the staged caches can be cut: each
+        block's bytes in RAM and on disk, and a snapshot's (None: kept whole)."""
         block_tokens = self._state.config.block_tokens
-        if block_tokens is None or not facts.trimmable or namespace == OBJECTS or not tokens:
-            return ()
-        return self._interpreter.block_bytes(handle, namespace, tokens, spans(len(tokens), block_tokens)) or ()
+        if block_tokens is None or namespace == OBJECTS or not tokens:
+            return None
+        return self._interpreter.block_bytes(handle, namespace, tokens, spans(len(tokens), block_tokens))
 
     def collect(self) -> None:
         """Feed back the writes the interpreter finished in the background (unpinning their entries),

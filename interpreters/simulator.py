@@ -21,7 +21,7 @@ from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.state import ServiceConfig
 from kvstate.core.tokens import WIDTH, PackedIds, packed
 from kvstate.effects.completions import SavedBlock, SavedCheckpoint, SavedRecord, Scanned
-from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
+from kvstate.interpreters.base import BlockSizes, CacheFacts, HeldState, InterpreterError
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.models.catalogue import model_spec
@@ -205,6 +205,8 @@ class SimulatorInterpreter(HeldState):
         self.now = 0.0
         super().__init__()
         self._pending: deque[tuple[fx.Effect, SimCaches]] = deque()
+        #: RAM entries that are snapshots (their content is every token of their chain).
+        self._snapshots: set[int] = set()
 
     # ------------------------------------------------------------ the facade's side
 
@@ -227,16 +229,25 @@ class SimulatorInterpreter(HeldState):
         return self.files.file_bytes(self._handles[handle].nbytes, len(tokens))
 
     def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
-                    spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
-        """Each block's ``(nbytes, file_bytes)`` where the staged caches can be cut into ``spans``: every
-        layer's state is a span of positions (plain attention); None otherwise (kept whole)."""
-        if not all(layer.kind in CUTTABLE for layer in self.model.layers):
+                    spans: tuple[tuple[int, int], ...]) -> BlockSizes | None:
+        """Each block's ``(nbytes, file_bytes)`` for the layers whose state is a span of positions
+        (attention), and, where other layers are there, a snapshot's of their state at the end; None
+        where no layer can be cut (kept whole)."""
+        cut = [layer for layer in self.model.layers if layer.kind in CUTTABLE]
+        if not cut:
             return None
-        out = []
+        per_token = self.model.position_tokens
+
+        def cut_bytes(positions: int) -> int:
+            return sum(layer.bytes_for(positions * per_token, self.model.kv) for layer in cut)
+        blocks = []
         for start, stop in spans:
-            nbytes = self.model.bytes_for(stop) - self.model.bytes_for(start)
-            out.append((nbytes, self.files.file_bytes(nbytes, stop - start)))
-        return tuple(out)
+            nbytes = cut_bytes(stop) - cut_bytes(start)
+            blocks.append((nbytes, self.files.file_bytes(nbytes, stop - start)))
+        if len(cut) == len(self.model.layers):
+            return BlockSizes(tuple(blocks))
+        rest = self.model.bytes_for(len(tokens)) - cut_bytes(len(tokens))
+        return BlockSizes(tuple(blocks), (rest, self.files.file_bytes(rest, len(tokens))))
 
     def stage_object(self, handle: int, value: object) -> int:
         """Hold a tensor object under ``handle``; its bytes."""
@@ -255,7 +266,10 @@ class SimulatorInterpreter(HeldState):
         """``(namespace, tokens)`` of every saved prefix of this identity."""
         prefixes = [(f.namespace, f.tokens) for key, f in self.disk.files.items()
                     if f.identity == self.identity and f.payload is None and isinstance(key, fx.DiskKey)]
-        return prefixes + saved_chains(key for key in self.disk.files if isinstance(key, fx.BlockName))
+        files = self.disk.files
+        chains = saved_chains(key for key, f in files.items() if isinstance(key, fx.BlockName) and f.trimmable)
+        snapshots = [(key.namespace, key.tokens) for key in files if isinstance(key, fx.SnapshotName)]
+        return prefixes + chains + snapshots
 
     def scan(self) -> Scanned:
         """What the disk holds for this identity; foreign and corrupt files are moved aside."""
@@ -265,8 +279,8 @@ class SimulatorInterpreter(HeldState):
                 self._move_aside(key, Reason.IDENTITY_MISMATCH if file.identity != self.identity else Reason.CORRUPT)
                 rejected += 1
                 continue
-            if isinstance(key, fx.BlockName):
-                blocks.append(SavedBlock(key, file.nbytes, file.file_bytes, file.used_at))
+            if isinstance(key, (fx.BlockName, fx.SnapshotName)):
+                blocks.append(SavedBlock(key, file.nbytes, file.file_bytes, file.used_at, file.trimmable))
                 continue
             records.append(SavedRecord(file.namespace, file.tokens, file.nbytes, file.trimmable, file.file_bytes,
                                        file.used_at))
@@ -329,24 +343,41 @@ class SimulatorInterpreter(HeldState):
         self._ram[e.entry] = SimCaches(caches.packed[e.start * WIDTH:e.stop * WIDTH], self.model)
         return []
 
+    def _keep_snapshot(self, e: fx.KeepSnapshot) -> list:
+        """A snapshot's content is every token it is the state after (what a recurrent state sums up)."""
+        self._ram[e.entry] = SimCaches(self._handles[e.handle].packed, self.model)
+        self._snapshots.add(e.entry)
+        return []
+
     def _assemble_blocks(self, e: fx.AssembleBlocks) -> list:
         """The blocks' tokens joined, trimmed: RAM ones as kept, the others read from their files."""
-        content, read, seconds = [], [], 0.0
+        content, read, seconds, snapshot = [], [], 0.0, None
         for part in e.blocks:
             if part.saved is None:
-                content.append(self._ram[part.entry].packed)
-                continue
-            file = self._read(part.saved)
-            if isinstance(file, Reason):
-                pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
-                return [done.RestoreFailed(part.entry, e.handle, file, pinned)]
-            content.append(packed(file.content))
-            read.append(part.entry)
-            seconds += self._read_seconds(file)
-        self._handles[e.handle] = SimCaches(b"".join(content), self.model).trimmed(e.tokens)
+                held = self._ram[part.entry].packed
+            else:
+                file = self._read(part.saved)
+                if isinstance(file, Reason):
+                    pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
+                    return [done.RestoreFailed(part.entry, e.handle, file, pinned)]
+                held = packed(file.content)
+                read.append(part.entry)
+                seconds += self._read_seconds(file)
+            if self._is_snapshot(part):
+                snapshot = held
+            else:
+                content.append(held)
+        joined = b"".join(content)[:e.tokens * WIDTH]
+        if snapshot is not None and snapshot != joined:
+            raise InterpreterError(f"a snapshot of {len(snapshot) // WIDTH} tokens on blocks that hold others")
+        self._handles[e.handle] = SimCaches(joined, self.model)
         if not read:
             return []
         return [done.RestoreDone(read[-1], e.handle, seconds, tuple(read))]
+
+    def _is_snapshot(self, part: fx.BlockPart) -> bool:
+        """Whether a part of an assembly is a snapshot (the last one of its chain, if any)."""
+        return part.entry in self._snapshots if part.saved is None else isinstance(part.saved, fx.SnapshotName)
 
     def _spill_entry(self, e: fx.SpillEntry) -> list:
         return self._write(e)

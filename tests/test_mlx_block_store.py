@@ -161,3 +161,51 @@ def test_files_of_the_earlier_format_are_rejected_and_counted_never_restored(lla
     state, _ = turn(new, model, prompt + (2,))
     assert state.reused_tokens == 0
     new.close()
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "gemma3_text"])
+def hybrid(request):
+    model, config = build(request.param, seed=6)
+    return request.param, model, config
+
+
+def prefill_in_chunks(service, model, prompt, chunk, namespace="n"):
+    """A prefill that publishes its state at every ``chunk`` tokens and at its end (as a server keeps
+    chunk snapshots): the acquire's state, and the logits after the prompt."""
+    request = Request(prompt, 4)
+    state = service.acquire(request, namespace)
+    at = state.reused_tokens
+    logits = None
+    while at < len(prompt):
+        stop = min(len(prompt), (at // chunk + 1) * chunk)
+        logits = last_logits(model, prompt[at:stop], state.caches)
+        service.publish(request, namespace, prompt[:stop], state.caches)
+        at = stop
+    service.release(request)
+    return state, logits
+
+
+def test_a_hybrid_model_reuses_up_to_the_last_chunk_snapshot_before_a_divergence(hybrid, tmp_path):
+    """Layers that cannot be cut are kept as snapshots at chunk ends, on the blocks of the layers that
+    can: an edit inside the prompt reuses everything up to the last snapshot before it, from RAM and,
+    after a restart, from disk, and continues as a recompute."""
+    name, model, config = hybrid
+    chunk = SIZE
+    service = service_for(model, config, tmp_path)
+    prompt = tuple(range(2, 2 + 5 * chunk + 7))
+    prefill_in_chunks(service, model, prompt, chunk)
+    snapshots = [e for e in service.state.entries.values() if e.is_snapshot]
+    assert sorted(e.length for e in snapshots) == [chunk, 2 * chunk, 3 * chunk, 4 * chunk, 5 * chunk, len(prompt)]
+    assert all(not e.trimmable for e in service.state.entries.values() if e.is_block)
+    edited = prompt[:3 * chunk + 9] + (250, 251, 252)  # diverges inside the fourth chunk
+    state, logits = prefill_in_chunks(service, model, edited, chunk)
+    assert state.source is Source.RAM and state.reused_tokens == 3 * chunk
+    assert_recomputed(model, edited, logits)
+    assert service.flush().durable
+    service.close()
+    again = service_for(model, config, tmp_path)
+    regenerate = prompt + (9,)
+    state, logits = turn(again, model, regenerate)
+    assert state.source is Source.DISK and state.reused_tokens == len(prompt)
+    assert_recomputed(model, regenerate, logits)
+    again.close()

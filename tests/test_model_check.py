@@ -31,6 +31,7 @@ from kvstate import (
 from kvstate.core.blocks import block_names
 from kvstate.core.state import IN_RAM, OBJECTS, ON_DISK, Residence
 from kvstate.effects import DiskKey
+from kvstate.effects.effects import SnapshotName
 from kvstate.interpreters.simulator import FaultPlan, FileModel, SimDisk
 from tests.reference import NaiveFifoPrefixCache, attention_bytes, longest_usable, usable
 
@@ -238,10 +239,11 @@ class BaseMachine(RuleBasedStateMachine):
                                              + sum(r.pending_bytes for r in state.checkpoints.values()))
         assert state.writes.count == getattr(self.service.interpreter, "pending_writes", 0)
         assert sorted((ns, t, i) for ns, t, i, _ in state.ram.index.items()) == sorted(
-            (e.namespace, e.tokens, e.id) for e in entries if e.residence in IN_RAM)
+            (e.namespace, e.tokens, e.id) for e in entries if e.residence in IN_RAM and e.indexed)
         if state.config.has_disk:
             assert sorted((ns, t, i) for ns, t, i, _ in state.disk.index.items()) == sorted(
-                (e.namespace, e.tokens, e.id) for e in entries if e.residence in ON_DISK)
+                (e.namespace, e.tokens, e.id) for e in entries if e.residence in ON_DISK and e.indexed)
+        assert dict(state.blocks) == {(e.namespace, e.block): e.id for e in entries if e.is_block}
         for entry_id in state.reading:
             assert state.entries[entry_id].residence in ON_DISK  # a read in flight pins a saved entry
 
@@ -451,8 +453,11 @@ class TieredServiceMachine(BaseMachine):
             if self.idle_rule != "write":  # given back: off RAM, or leaving it once its write lands
                 assert entry.residence not in (Residence.RAM, Residence.BOTH)
                 assert entry.residence is not Residence.SPILLING or entry.demote
-            elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it
-                assert state.writes.bytes + entry.nbytes > state.config.write_queue_bytes
+            elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it,
+                # or the disk has none that anything saved could make (all of it being written)
+                saved = [e for e in state.entries.values() if e.residence in (Residence.BOTH, Residence.DISK)]
+                assert (state.writes.bytes + entry.nbytes > state.config.write_queue_bytes
+                        or (state.disk.bytes + entry.file_bytes > DISK and not saved))
 
     @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]))
     def prefetch(self, prompt, namespace):
@@ -512,6 +517,8 @@ def saved_key(entry):
     """The name an entry's saved copy has on the simulated disk (a block's, or a whole prefix's)."""
     if entry.is_block:
         return block_names(entry.namespace, entry.tokens, BLOCK)[-1]
+    if entry.is_snapshot:  # named after the block its chain ends in: the one ending where it does
+        return SnapshotName(entry.namespace, entry.tokens, block_names(entry.namespace, entry.tokens, BLOCK)[-1].key)
     return DiskKey(entry.namespace, entry.tokens)
 
 
@@ -536,7 +543,8 @@ class BlockedServiceMachine(TieredServiceMachine):
                                  "files": self.files})
 
     def own_tokens(self, entry):
-        return entry.tokens[entry.start:]
+        """What a block's content is (its own tokens), or a snapshot's (every token it is the state after)."""
+        return entry.tokens if entry.is_snapshot else entry.tokens[entry.start:]
 
     @invariant()
     def ram_within_capacity_and_content_is_what_was_published(self):
@@ -549,21 +557,32 @@ class BlockedServiceMachine(TieredServiceMachine):
             if entry.is_block:  # a block charges its own positions' bytes, by the test's own formula
                 assert entry.nbytes == (reference_bytes(self.spec, entry.length)
                                         - reference_bytes(self.spec, entry.start))
+            if entry.is_snapshot:  # a snapshot, the recurrent state alone
+                assert entry.nbytes == RECURRENT_STATE
 
     @invariant()
     def blocks_form_a_tree_kept_leaf_first(self):
-        """Every block's parent is held and ends where it starts; the counts of what extends a block are
-        a recount's; RAM holds no block without its parent (a hit assembles from RAM alone); whole
-        prefixes (the hybrid model's) are no blocks."""
+        """Every block's parent is held and ends where it starts, a snapshot's where the snapshot is;
+        the counts of what extends an entry are a recount's; RAM holds nothing without its parent (a hit
+        assembles from RAM alone). The hybrid model's blocks serve nothing alone: only its snapshots
+        are in the index."""
         state = self.service.state
         entries = state.entries
+        listed = {entry_id for _, _, entry_id, _ in state.ram.index.items()} | {
+            entry_id for _, _, entry_id, _ in state.disk.index.items()}
         for entry in entries.values():
-            assert entry.is_block == (self.spec is TRIMMABLE)
+            assert entry.chained and entry.trimmable == (self.spec is TRIMMABLE and entry.is_block)
+            assert (entry.id in listed) == (entry.is_snapshot or self.spec is TRIMMABLE)
+            if entry.is_snapshot:
+                parent = entries[entry.parent]
+                assert parent.is_block and parent.length == entry.length and entry.children == 0
+                assert parent.tokens == entry.tokens
+                continue
             children = [c for c in entries.values() if c.parent == entry.id]
             assert entry.children == len(children)
             assert entry.ram_children == sum(c.residence in IN_RAM for c in children)
             assert entry.disk_children == sum(c.residence in ON_DISK for c in children)
-            if entry.is_block and not self.partial:  # without partial blocks, every block is full
+            if entry.trimmable and not self.partial:  # without partial blocks, every plain KV block is full
                 assert entry.length - entry.start == BLOCK
             if entry.parent is None:
                 assert entry.start == 0
@@ -577,9 +596,11 @@ class BlockedServiceMachine(TieredServiceMachine):
     def ram_holds_each_tokens_state_once(self):
         """No two RAM blocks hold the state of one position of one path: blocks from one parent never
         have one's tokens begin the other's (a partial block a longer one covers is let go; one whose write
-        is in flight is pinned by it, and goes once that lands)."""
+        is in flight is pinned by it, and goes once that lands). Plain KV only: a hybrid model's snapshot
+        needs the partial block that ends where it does, so two snapshots inside one block each hold
+        their own (a cost the snapshots' admission is to weigh)."""
         state = self.service.state
-        settled = [e for e in state.entries.values() if e.is_block and (
+        settled = [e for e in state.entries.values() if e.is_block and e.trimmable and (
             e.residence in (Residence.RAM, Residence.BOTH) or e.residence is Residence.SPILLING and not e.demote)]
         for a in settled:
             for b in settled:
@@ -598,7 +619,7 @@ class BlockedServiceMachine(TieredServiceMachine):
             if entry.residence in IN_RAM:
                 assert self.disk.files[saved_key(entry)].content == self.own_tokens(entry)
         self.service = self.restarted()
-        found = {(ns, t) for ns, t, _, _ in self.service.state.disk.index.items()}
+        found = {(e.namespace, e.tokens) for e in self.service.state.entries.values()}
         rotten = {saved_key_of(k) for k, _ in self.disk.rejected}
         # A rotten block takes every block after it along: those serve nothing without it.
         assert {key for key in kept if not any(key[0] == ns and key[1][:len(t)] == t for ns, t in rotten)} <= found
@@ -623,7 +644,7 @@ class BlockedServiceMachine(TieredServiceMachine):
         for key, file in self.disk.files.items():
             assert file.file_bytes == self.files.file_bytes(file.nbytes, len(file.tokens))
             assert file.content == file.tokens
-            if isinstance(key, DiskKey):
+            if isinstance(key, (DiskKey, SnapshotName)):
                 assert (file.namespace, file.tokens) in self.published
             else:  # a block of a published prefix, its tokens what its name says
                 assert key in published_blocks and file.tokens == key.tokens
@@ -632,7 +653,7 @@ class BlockedServiceMachine(TieredServiceMachine):
 def saved_key_of(key):
     """The ``(namespace, path)`` a rejected file held: a whole prefix's tokens, or a block's path up to
     its start (every prefix through it is lost with it)."""
-    if isinstance(key, DiskKey):
+    if isinstance(key, (DiskKey, SnapshotName)):
         return key.namespace, key.tokens
     return key.namespace, ()
 

@@ -1,14 +1,16 @@
 """mlx-lm caches cut into token blocks and assembled back (:mod:`kvstate.core.blocks` names them).
 
-A block of positions ``start`` to ``stop`` is, for each layer, that span of its keys and values (for
-a quantised cache, of its packed data, scales and biases): new arrays that share nothing with the
-caches they were cut from, so a block outlives the request that computed it. Assembling consecutive
-blocks concatenates each layer's spans into a cache of the same mlx-lm class, which a generation
-loop takes unchanged.
+A block of positions ``start`` to ``stop`` is, for each layer that can be cut, that span of its
+keys and values (for a quantised cache, of its packed data, scales and biases): new arrays that
+share nothing with the caches they were cut from, so a block outlives the request that computed it.
+Assembling consecutive blocks concatenates each layer's spans into a cache of the same mlx-lm
+class, which a generation loop takes unchanged.
 
-Only caches whose every position can be cut out are cut: plain and quantised KV (``KVCache``,
-``QuantizedKVCache``). Recurrent state and sliding windows cannot be cut back (their state at a
-position is not a span of arrays); they are kept as snapshots at chunk boundaries instead.
+Plain and quantised KV (``KVCache``, ``QuantizedKVCache``) can be cut at any position. Recurrent
+state (``ArraysCache``) and sliding windows (``RotatingKVCache``) cannot: their state at a position
+is not a span of arrays. In a model that mixes them, a block holds the layers that can be cut (the
+others' entries are empty), and a snapshot holds a copy of the others' state at one position: a
+chain of blocks up to that position and the snapshot there assemble into the model's caches.
 """
 
 from __future__ import annotations
@@ -17,31 +19,69 @@ import mlx.core as mx
 
 from kvstate.interpreters.mlx.caches import UnsupportedCache, codec_of
 
-#: A block of one request's caches: for each layer, its span's arrays.
+#: A block of one request's caches: for each layer, its span's arrays (empty for a layer not cut).
 Block = list[dict[str, mx.array]]
+#: A snapshot: for each layer that cannot be cut, a copy of its cache; None for the layers blocks hold.
+Snapshot = list
+
+
+def cuttable(cache: object) -> bool:
+    """Whether a cache of this class can be cut at any position."""
+    return callable(getattr(codec_of(cache), "span", None))
 
 
 def blockable(caches: list) -> bool:
     """Whether every layer of ``caches`` can be cut into blocks."""
-    return all(callable(getattr(codec_of(cache), "span", None)) for cache in caches)
+    return all(cuttable(cache) for cache in caches)
+
+
+def partly_blockable(caches: list) -> bool:
+    """Whether some layer of ``caches`` can be cut (the others then go into snapshots)."""
+    return any(cuttable(cache) for cache in caches)
 
 
 def cut(caches: list, start: int, stop: int, evaluate: bool = True) -> Block:
-    """Positions ``start`` to ``stop`` of every layer of ``caches`` (a block to keep), evaluated unless
-    not ``evaluate`` (the caller schedules it)."""
-    if not blockable(caches):
-        kinds = sorted({type(c).__name__ for c in caches if not callable(getattr(codec_of(c), "span", None))})
-        raise UnsupportedCache(f"caches of {', '.join(kinds)} cannot be cut into blocks: keep them as snapshots")
-    covered = min(cache.offset for cache in caches)
+    """Positions ``start`` to ``stop`` of every layer of ``caches`` that can be cut (a block to keep),
+    evaluated unless not ``evaluate`` (the caller schedules it)."""
+    if not partly_blockable(caches):
+        kinds = sorted({type(c).__name__ for c in caches})
+        raise UnsupportedCache(f"caches of {', '.join(kinds)} have no layer that can be cut into blocks: "
+                               f"keep them whole, or as snapshots beside layers that can be cut")
+    covered = min(cache.offset for cache in caches if cuttable(cache))
     if not 0 <= start < stop <= covered:
         raise ValueError(f"a block of positions {start} to {stop} is not within the {covered} the caches cover")
-    block = [codec_of(cache).span(cache, start, stop) for cache in caches]
+    block = [codec_of(cache).span(cache, start, stop) if cuttable(cache) else {} for cache in caches]
     if evaluate:
         mx.eval([array for layer in block for array in layer.values()])
     return block
 
 
-def assemble(blocks: list[Block], like: list) -> list:
+def snapshot_of(caches: list) -> Snapshot:
+    """A copy of the state of every layer of ``caches`` that cannot be cut (None for the others)."""
+    out = []
+    for cache in caches:
+        if cuttable(cache):
+            out.append(None)
+            continue
+        codec = codec_of(cache)
+        out.append(codec.clone(cache, codec.covered(cache) or 0))
+    return out
+
+
+def assemble(blocks: list[Block], like: list, snapshot: Snapshot | None = None, tokens: int | None = None) -> list:
     """Caches covering the consecutive ``blocks``, first position first, of ``like``'s classes (a
-    model's fresh caches, say): what a hit on those blocks hands the generation loop."""
-    return [codec_of(cache).joined([block[layer] for block in blocks], cache) for layer, cache in enumerate(like)]
+    model's fresh caches, say), cut back to ``tokens`` positions where given; the layers that cannot
+    be cut copied from ``snapshot``: what a hit on them hands the generation loop."""
+    out = []
+    for layer, cache in enumerate(like):
+        if snapshot is not None and snapshot[layer] is not None:
+            held = snapshot[layer]
+            codec = codec_of(held)
+            out.append(codec.clone(held, codec.covered(held) or 0))
+            continue
+        codec = codec_of(cache)
+        joined = codec.joined([block[layer] for block in blocks], cache)
+        if tokens is not None and joined.offset != tokens:
+            joined = codec.clone(joined, tokens)
+        out.append(joined)
+    return out

@@ -40,7 +40,7 @@ from kvstate.core.errors import StorageError
 from kvstate.core.blocks import saved_chains
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason, SavedBlock, SavedCheckpoint, SavedRecord
-from kvstate.effects.effects import BlockName, CheckpointMeta, DiskKey
+from kvstate.effects.effects import BlockName, CheckpointMeta, DiskKey, SnapshotName
 from kvstate.interpreters.mlx import file_io, framing
 from kvstate.interpreters.mlx.caches import codec_named, codec_of
 from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
@@ -116,8 +116,8 @@ class SavedFile:
     file_bytes: int
     #: The file's modification time: when it was written, or last read back (a restore touches it).
     used_at: float = 0.0
-    #: A block's name (None for a whole prefix or a checkpoint).
-    block: BlockName | None = None
+    #: A block's or a snapshot's name (None for a whole prefix or a checkpoint).
+    block: BlockName | SnapshotName | None = None
 
 
 def _touch(path: Path) -> None:
@@ -207,6 +207,17 @@ class DiskStore:
     def block_path(self, name: BlockName) -> Path:
         return self.directory / _name("block", name.namespace.encode(), name.key)
 
+    def snapshot_path(self, name: SnapshotName) -> Path:
+        """A snapshot is named by the block its chain ends in: it is the state at that block's end."""
+        return self.directory / _name("snapshot", name.namespace.encode(), name.parent)
+
+    def _path_of(self, name: DiskKey | BlockName | SnapshotName) -> Path:
+        if isinstance(name, BlockName):
+            return self.block_path(name)
+        if isinstance(name, SnapshotName):
+            return self.snapshot_path(name)
+        return self.prefix_path(name)
+
     def checkpoint_path(self, key: str) -> Path:
         return self.directory / _name("checkpoint", key.encode())
 
@@ -245,8 +256,34 @@ class DiskStore:
             "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(), "kvstate.kind": "block",
             "kvstate.namespace": name.namespace, "kvstate.tokens": json.dumps(list(name.tokens)),
             "kvstate.block": json.dumps({"key": name.key.hex(), "parent": name.parent.hex(), "start": name.start}),
-            "kvstate.layers": json.dumps([{"class": c} for c in classes]), "kvstate.trimmable": "true",
-            "kvstate.nbytes": str(nbytes)}
+            "kvstate.layers": json.dumps([{"class": c} for c in classes]),
+            # Serves alone only where every layer is cut; else only with a snapshot at its chain's end.
+            "kvstate.trimmable": json.dumps(all(block)), "kvstate.nbytes": str(nbytes)}
+        return metadata, tensors
+
+    def encode_snapshot(self, name: SnapshotName, snapshot: list) -> "EncodedFile":
+        """The file of one snapshot (a cache for each layer blocks do not hold, None for the others)."""
+        return self._encoded(self.snapshot_path(name), *self._snapshot_layout(name, snapshot))
+
+    def snapshot_file_bytes(self, name: SnapshotName, snapshot: list) -> int:
+        return self._sized(*self._snapshot_layout(name, snapshot))
+
+    def _snapshot_layout(self, name: SnapshotName, snapshot: list) -> tuple[dict[str, str], dict[str, mx.array]]:
+        tensors: dict[str, mx.array] = {}
+        layers = []
+        for i, cache in enumerate(snapshot):
+            if cache is None:
+                layers.append({"class": None})
+                continue
+            arrays, meta = codec_of(cache).save(cache)
+            tensors.update({f"{i}.{array_name}": a for array_name, a in arrays.items()})
+            layers.append({"class": type(cache).__name__, **meta})
+        metadata = {
+            "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(),
+            "kvstate.kind": "snapshot", "kvstate.namespace": name.namespace,
+            "kvstate.tokens": json.dumps(list(name.tokens)), "kvstate.parent": name.parent.hex(),
+            "kvstate.layers": json.dumps(layers), "kvstate.trimmable": "false",
+            "kvstate.nbytes": str(sum(a.nbytes for a in tensors.values()))}
         return metadata, tensors
 
     @staticmethod
@@ -324,8 +361,8 @@ class DiskStore:
             raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
                               f"{file.path.name}: {error}") from None
 
-    def delete_prefix(self, key: DiskKey | BlockName) -> None:
-        remove_quietly(self.block_path(key) if isinstance(key, BlockName) else self.prefix_path(key))
+    def delete_prefix(self, key: DiskKey | BlockName | SnapshotName) -> None:
+        remove_quietly(self._path_of(key))
 
     def delete_checkpoint(self, key: str) -> None:
         remove_quietly(self.checkpoint_path(key))
@@ -377,11 +414,13 @@ class DiskStore:
             checkpoint = None
             if metadata["kvstate.kind"] == "checkpoint":
                 checkpoint = CheckpointMeta(**json.loads(metadata["kvstate.checkpoint"]))
-            block = None
+            block: BlockName | SnapshotName | None = None
             if metadata["kvstate.kind"] == "block":
                 fields = json.loads(metadata["kvstate.block"])
                 block = BlockName(metadata["kvstate.namespace"], bytes.fromhex(fields["key"]),
                                   bytes.fromhex(fields["parent"]), int(fields["start"]), tokens)
+            elif metadata["kvstate.kind"] == "snapshot":
+                block = SnapshotName(metadata["kvstate.namespace"], tokens, bytes.fromhex(metadata["kvstate.parent"]))
             stat = os.fstat(file.fileno())
             described = SavedFile(path, metadata["kvstate.kind"], metadata["kvstate.namespace"], tokens,
                                   int(metadata["kvstate.nbytes"]), json.loads(metadata["kvstate.trimmable"]) is True,
@@ -506,6 +545,9 @@ class DiskStore:
             prefix = f"{i}."
             own = {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}
             try:
+                if layer["class"] is None:  # a snapshot's layer that blocks hold
+                    caches.append(None)
+                    continue
                 caches.append(codec_named(layer["class"]).load(own, layer))
             except (KeyError, TypeError, ValueError):
                 raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: layer {i} cannot be rebuilt") from None
@@ -546,6 +588,16 @@ class DiskStore:
             raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds another block than its name")
         _touch(described.path)
         return block
+
+    def read_snapshot(self, name: SnapshotName) -> list:
+        """The caches of the snapshot ``name`` names (None for the layers blocks hold);
+        :class:`RejectedFile` (moved aside) if they cannot be trusted."""
+        described, snapshot = self._load(self.snapshot_path(name))
+        if described.block != name:
+            self.move_aside(described.path, FailureReason.CORRUPT)
+            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds another snapshot than its name")
+        _touch(described.path)
+        return snapshot
 
     def read_checkpoint(self, key: str) -> tuple[CheckpointMeta, tuple[int, ...], list]:
         described, caches = self._load(self.checkpoint_path(key))
@@ -640,8 +692,9 @@ class DiskStore:
             elif described.kind == "prefix":
                 records.append(SavedRecord(described.namespace, described.tokens, described.nbytes,
                                            described.trimmable, described.file_bytes, described.used_at))
-            elif described.kind == "block" and described.block is not None:
-                blocks.append(SavedBlock(described.block, described.nbytes, described.file_bytes, described.used_at))
+            elif described.kind in ("block", "snapshot") and described.block is not None:
+                blocks.append(SavedBlock(described.block, described.nbytes, described.file_bytes, described.used_at,
+                                         described.trimmable))
         return records, checkpoints, rejected, blocks
 
     def _scanned(self, path: Path) -> SavedFile | None:
@@ -678,6 +731,8 @@ class DiskStore:
                 continue
             if described.kind == "prefix" and described.namespace != OBJECTS:
                 found.append((described.namespace, described.tokens))
-            elif described.block is not None:
+            elif described.kind == "snapshot" and described.block is not None:
+                found.append((described.namespace, described.tokens))
+            elif described.block is not None and described.trimmable:
                 blocks.append(described.block)
         return found + saved_chains(blocks)

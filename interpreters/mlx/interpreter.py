@@ -33,7 +33,7 @@ from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile
 from kvstate.interpreters.mlx.weights_identity import weights_fingerprint
 from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
 from kvstate.models.spec import ModelSpec
-from kvstate.interpreters.base import CacheFacts, HeldState, InterpreterError
+from kvstate.interpreters.base import BlockSizes, CacheFacts, HeldState, InterpreterError
 
 
 class _Writer:
@@ -99,6 +99,8 @@ class MlxInterpreter(HeldState):
         self._clock = clock
         super().__init__()
         self._writer = _Writer() if background_writes and store is not None else None
+        #: RAM entries that are snapshots (the layers that cannot be cut), not blocks.
+        self._snapshots: set[int] = set()
 
     @property
     def now(self) -> float:
@@ -132,22 +134,29 @@ class MlxInterpreter(HeldState):
         return self.store.checkpoint_file_bytes(meta, tokens, self._handles[handle])
 
     def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
-                    spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...] | None:
+                    spans: tuple[tuple[int, int], ...]) -> BlockSizes | None:
         """Each block's bytes in RAM and on disk, where every layer of the staged caches can be cut
         (plain or quantised KV); None otherwise. Measured on lazy spans: nothing is evaluated."""
         caches = self._handles[handle]
-        if not mlx_blocks.blockable(caches):
+        if not mlx_blocks.partly_blockable(caches) or not spans:
             return None
-        block_tokens = spans[0][1] - spans[0][0] if spans else 0
+        block_tokens = spans[0][1] - spans[0][0]
         names = block_names(namespace, tokens, block_tokens) if self.store is not None else None
         classes = [type(cache).__name__ for cache in caches]
         out = []
         for i, (start, stop) in enumerate(spans):
-            block = [mlx_caches.codec_of(cache).span(cache, start, stop) for cache in caches]
+            block = mlx_blocks.cut(caches, start, stop, evaluate=False)
             nbytes = sum(a.nbytes for layer in block for a in layer.values())
             file_bytes = self.store.block_file_bytes(names[i], block, classes) if names is not None else 0
             out.append((nbytes, file_bytes))
-        return tuple(out)
+        if mlx_blocks.blockable(caches):
+            return BlockSizes(tuple(out))
+        snapshot = [None if mlx_blocks.cuttable(cache) else cache for cache in caches]  # measured, not copied
+        nbytes = mlx_caches.live_bytes([cache for cache in snapshot if cache is not None])
+        file_bytes = 0
+        if names is not None:
+            file_bytes = self.store.snapshot_file_bytes(fx.SnapshotName(namespace, tokens, names[-1].key), snapshot)
+        return BlockSizes(tuple(out), (nbytes, file_bytes))
 
     def stage_object(self, handle: int, value: object) -> int:
         """Hold a tensor object (``value``, a dict of arrays) under ``handle``; its bytes."""
@@ -237,30 +246,43 @@ class MlxInterpreter(HeldState):
         self._ram[e.entry] = block
         return []
 
+    def _keep_snapshot(self, e: fx.KeepSnapshot) -> list:
+        snapshot = mlx_blocks.snapshot_of(self._handles[e.handle])
+        mx.async_eval(mlx_caches.arrays_of([cache for cache in snapshot if cache is not None]))
+        self._ram[e.entry] = snapshot
+        self._snapshots.add(e.entry)
+        return []
+
     def _assemble_blocks(self, e: fx.AssembleBlocks) -> list:
-        """The chain's caches: RAM blocks as kept, the others read and verified, joined and trimmed."""
+        """The chain's caches: RAM blocks as kept, the others read and verified, joined and trimmed; the
+        layers that cannot be cut from the snapshot that ends the chain, if one does."""
         started = time.perf_counter()
-        blocks, read = [], []
+        blocks, read, snapshot = [], [], None
         for part in e.blocks:
             if part.saved is None:
-                blocks.append(self._ram[part.entry])
-                continue
-            block = self._read_block(part.saved)
-            if isinstance(block, done.FailureReason):
-                pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
-                return [done.RestoreFailed(part.entry, e.handle, block, pinned)]
-            blocks.append(block)
-            read.append(part.entry)
-        caches = mlx_blocks.assemble(blocks, self.fresh())
-        covered = mlx_caches.covered(caches)
-        self._handles[e.handle] = caches if covered == e.tokens else mlx_caches.clone(caches, e.tokens)
+                held = self._ram[part.entry]
+                is_snapshot = part.entry in self._snapshots
+            else:
+                held = self._read_saved(part.saved)
+                if isinstance(held, done.FailureReason):
+                    pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
+                    return [done.RestoreFailed(part.entry, e.handle, held, pinned)]
+                is_snapshot = isinstance(part.saved, fx.SnapshotName)
+                read.append(part.entry)
+            if is_snapshot:
+                snapshot = held
+            else:
+                blocks.append(held)
+        self._handles[e.handle] = mlx_blocks.assemble(blocks, self.fresh(), snapshot, e.tokens)
         if not read:
             return []
         return [done.RestoreDone(read[-1], e.handle, time.perf_counter() - started, tuple(read))]
 
-    def _read_block(self, name: fx.BlockName) -> list | done.FailureReason:
+    def _read_saved(self, name: fx.BlockName | fx.SnapshotName) -> list | done.FailureReason:
+        """A block's or a snapshot's content read back and verified, or why not."""
         try:
-            return self._store().read_block(name)
+            store = self._store()
+            return store.read_snapshot(name) if isinstance(name, fx.SnapshotName) else store.read_block(name)
         except RejectedFile as rejected:
             return rejected.reason
         except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
@@ -271,6 +293,8 @@ class MlxInterpreter(HeldState):
         if isinstance(e.key, fx.BlockName):
             classes = [type(cache).__name__ for cache in self.fresh()]
             encoded = store.encode_block(e.key, self._ram[e.entry], classes)
+        elif isinstance(e.key, fx.SnapshotName):
+            encoded = store.encode_snapshot(e.key, self._ram[e.entry])
         else:
             encoded = store.encode_prefix(e.key, self._ram[e.entry], e.trimmable, e.nbytes)
         if encoded.file_bytes != e.file_bytes:  # the caches changed since they were measured: not written
