@@ -39,6 +39,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.sharing import Computing
 from kvstate.core.tokens import Tokens
+from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.serving.model_names import requested_key
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
@@ -70,8 +71,12 @@ class BatchAdmission:
     """
 
     def __init__(self, cache: KvStatePromptCache, share_wait_s: float = 5.0,
-                 min_shared_tokens: int = MIN_SHARED_TOKENS):
+                 min_shared_tokens: int = MIN_SHARED_TOKENS, snapshot_every: int | None = None):
         self.cache = cache
+        #: Where a model's layers cannot all be cut into blocks: a row's state is kept as a snapshot
+        #: whenever its prefill passes a multiple of this many tokens (None: at segment ends only).
+        self.snapshot_every = snapshot_every
+        self._snapshotted: dict[int, int] = {}   # batch uid -> the tokens its last chunk snapshot covered
         self.service = cache.service
         self.share_wait_s = share_wait_s
         self.min_shared_tokens = min_shared_tokens
@@ -231,8 +236,37 @@ class BatchAdmission:
         row of no known request: nowhere, the insert keeps nothing)."""
         self.cache.announce(tokens, self._namespaces.get(uid))
 
+    def due_snapshots(self, prompt_responses: Any) -> list[int]:
+        """The rows in prefill whose state passed a multiple of ``snapshot_every`` tokens since their
+        last snapshot (a segment's end is the server's own insert)."""
+        every = self.snapshot_every
+        if not every:
+            return []
+        due = []
+        for response in prompt_responses:
+            if response.end_of_segment or response.end_of_prompt or response.uid not in self._namespaces:
+                continue
+            row = self._computing.get(response.uid)
+            if row is None:
+                continue
+            start = len(row.prompt) - response.progress[1]  # where its prefill began (after what it reused)
+            if row.position // every > self._snapshotted.setdefault(response.uid, start) // every:
+                due.append(response.uid)
+        return due
+
+    def snapshot(self, uid: int, caches: Any, tokens: Any) -> None:
+        """Row ``uid``'s state over ``tokens``, mid-prefill, offered as a chunk snapshot where the
+        model's layers cannot all be cut (a model whose layers all can serves any prefix from its
+        blocks already)."""
+        self._snapshotted[uid] = len(tokens)
+        if mlx_blocks.blockable(caches):
+            return
+        self.publishing(uid, tokens)
+        self.cache.insert_cache(self.cache.model_key, list(tokens), caches, cache_type="chunk")
+
     def ended(self, uids: Any) -> None:
         for uid in uids:
+            self._snapshotted.pop(uid, None)
             self._namespaces.pop(uid, None)
             self._computing.pop(uid, None)
             lease = self._rows.pop(uid, None)
@@ -321,6 +355,10 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
             if before is not None:
                 admission.prefilled(counters.prompt_tokens - before[0], counters.prompt_time - before[1])
             admission.progressed(prompt_responses)
+            due = admission.due_snapshots(prompt_responses)
+            if due:
+                for uid, (caches, tokens) in super().extract_cache(due).items():
+                    admission.snapshot(uid, caches, tokens)
             finished = [r for r in generation_responses if r.finish_reason is not None]
             for response in finished:
                 admission.publishing(response.uid, response.all_tokens)

@@ -26,7 +26,8 @@ from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 
 #: The cache types ``mlx_lm.server`` inserts, as ``LRUPromptCache`` orders them.
-CACHE_TYPES = ("assistant", "user", "system")
+#: The kinds of state the server inserts, and a chunk snapshot kvstate takes mid-prefill.
+CACHE_TYPES = ("assistant", "user", "system", "chunk")
 #: Announced inserts the server never made are forgotten past this many (a bound, not a rule).
 MAX_ANNOUNCED = 4096
 #: How often ``stats_by_type`` (a pass over every entry, logged by the server per request) is redone.

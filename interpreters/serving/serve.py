@@ -289,8 +289,18 @@ def kvstate_options() -> argparse.ArgumentParser:
                         help="keep plain and quantised KV in blocks of this many tokens, each held once in RAM "
                              "and written once to disk, shared by every prompt that contains it (0: keep each "
                              f"prompt's state whole; default {BLOCK_TOKENS}, the step mlx-lm's caches grow by)")
+    parser.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY, metavar="TOKENS",
+                        help="for a model with recurrent or sliding-window layers, keep its state whenever a "
+                             "prefill passes a multiple of this many tokens (at the end of the chunk that "
+                             "passes it; chunks are --prefill-step-size long), so an edit or a regenerate "
+                             "reuses up to the last one before it (0: at segment ends only; default "
+                             f"{SNAPSHOT_EVERY})")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     return parser
+
+
+#: Tokens between a hybrid model's chunk snapshots by default: mlx-lm's default prefill chunk.
+SNAPSHOT_EVERY = 2048
 
 
 #: How long a request waits by default for a shared prefix another request is computing.
@@ -347,7 +357,7 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         cache = served["cache"] = build_prompt_cache(model_provider, options)
         logging.info("kvstate: %s", scan_line(cache.service.scan_result))
         wait = options.shared_prefix_wait if options.shared_prefix_wait is not None else default_shared_prefix_wait()
-        admission = BatchAdmission(cache, share_wait_s=wait)
+        admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=options.snapshot_every or None)
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
@@ -390,6 +400,10 @@ def main(argv: Sequence[str]) -> int:
     if options.disk_write_bytes_per_hour is not None and options.disk_write_bytes_per_hour < 1:
         print(f"kvstate serve: --disk-write-bytes-per-hour is a size of at least 1 byte; "
               f"got {options.disk_write_bytes_per_hour}", file=sys.stderr)
+        return 2
+    if options.snapshot_every < 0:
+        print(f"kvstate serve: --snapshot-every is a number of tokens, 0 (segment ends only) or more; "
+              f"got {options.snapshot_every}", file=sys.stderr)
         return 2
     if options.block_tokens < 0:
         print(f"kvstate serve: --block-tokens is a number of tokens, 0 (whole prompts) or more; "
