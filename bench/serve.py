@@ -13,6 +13,9 @@ first token is the time to the first content chunk). Stock gets ``--prompt-cache
 - ``restart``: ``--restart-turns`` turns of every session (default one less than ``--turns``), a
   server restart, then each session's next turn (the figures are of the turns after the restart);
   kvstate keeps a disk tier across the restart.
+- ``edit``: S sessions each ask a long question, ask it again with its last words edited, and
+  regenerate that answer (timed: the edit and the regenerate); with ``--architecture qwen3_next``
+  this is what kvstate's chunk snapshots are for.
 - ``burst``: S requests at once sharing a long system prompt nothing holds yet, each with its own
   question: how much of the shared prompt the later ones reuse while the first computes it.
 
@@ -28,6 +31,7 @@ tokens the server reported, then kvstate's figures as ratios of stock's, and the
 compiled (those only one of them needed by name).
 
     python bench/serve.py [--geometry small|1b] [--workloads chat,agent,overflow,restart]
+    python bench/serve.py --architecture qwen3_next --workloads edit --prefill-step-size 256 --snapshot-every 256
 """
 
 from __future__ import annotations
@@ -55,6 +59,17 @@ GEOMETRIES = {
     # the geometry of Llama 3.2 1B (16 layers, 2048 wide, 8 KV heads of 64), random weights, bf16
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64),
+}
+#: The same sizes for the hybrid reference (qwen3_next: gated-delta recurrent layers beside attention).
+HYBRID_GEOMETRIES = {
+    "small": dict(hidden_size=256, num_hidden_layers=8, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32, linear_num_value_heads=8, linear_num_key_heads=4,
+                  linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=128,
+                  shared_expert_intermediate_size=256, max_position_embeddings=32768),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=16,
+               num_key_value_heads=2, head_dim=128, linear_num_value_heads=32, linear_num_key_heads=16,
+               linear_key_head_dim=128, linear_value_head_dim=128, moe_intermediate_size=512,
+               shared_expert_intermediate_size=512, max_position_embeddings=32768),
 }
 SYSTEM = ("You are a helpful assistant. Answer briefly and clearly. " * 12).strip()
 WORDS = "the quick brown fox jumps over the lazy dog near the river bank and tells me about the weather".split()
@@ -91,6 +106,10 @@ def compiled_kernels(folder: Path) -> list[str]:
 
 
 class Server:
+    #: Flags both kinds get (``--prefill-step-size``), and kvstate's own (``--snapshot-every``).
+    both_flags: list[str] = []
+    kvstate_flags: list[str] = []
+
     def __init__(self, kind: str, model: Path, ram_bytes: int, disk: Path | None, log: Path, jit_cache: Path):
         self.port = free_port()
         if kind == "kvstate":
@@ -100,6 +119,7 @@ class Server:
         else:
             command = [sys.executable, "-m", "mlx_lm", "server", "--prompt-cache-bytes", str(ram_bytes),
                        "--prompt-cache-size", "100000"]
+        command += Server.both_flags + (Server.kvstate_flags if kind == "kvstate" else [])
         self.process = subprocess.Popen([*command, "--model", str(model), "--port", str(self.port)],
                                         stdout=open(log, "a"), stderr=subprocess.STDOUT,
                                         env=jit_environment(jit_cache, kind))
@@ -201,6 +221,21 @@ def agent_steps(server: Server, steps: int, tool_words: int, max_tokens: int) ->
     return records
 
 
+def edits(server: Server, sessions: int, user_words: int, max_tokens: int) -> list[dict]:
+    """Each session asks a long question, then asks it again with its last words edited, then
+    regenerates that answer: the records of the edit and the regenerate (what reuses a prefix that
+    ends inside the last message)."""
+    records = []
+    for s in range(sessions):
+        system = {"role": "system", "content": SYSTEM}
+        question = text(user_words, 500 + s)
+        server.chat([system, {"role": "user", "content": question + " What follows?"}], max_tokens)
+        edited = [system, {"role": "user", "content": question + " Who stays until the night?"}]
+        records.append(server.chat(edited, max_tokens))
+        records.append(server.chat(edited, max_tokens))  # a regenerate of the edited question
+    return records
+
+
 def summary(records: list[dict]) -> dict:
     ttfts = sorted(r["ttft"] for r in records)
     tokens = sum(r["tokens"] for r in records)
@@ -227,6 +262,8 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
         elif name == "overflow":
             records = conversation_turns(server, args.sessions * 2, args.turns, args.concurrency, args.user_words,
                                          args.max_tokens, round_robin=True, skip=1)
+        elif name == "edit":
+            records = edits(server, args.sessions, args.user_words, args.max_tokens)
         elif name == "burst":
             shared = {"role": "system", "content": " ".join([SYSTEM] * 4)}
             prompts = [[shared, {"role": "user", "content": text(20, n)}] for n in range(args.sessions)]
@@ -264,6 +301,12 @@ def main() -> None:
     parser.add_argument("--ram-bytes", type=int, default=4 << 30)
     parser.add_argument("--overflow-ram-bytes", type=int, default=None,
                         help="RAM for the overflow workload (default: a quarter of its working set)")
+    parser.add_argument("--architecture", default="llama", choices=["llama", "qwen3_next"],
+                        help="the reference architecture (qwen3_next: recurrent layers beside attention)")
+    parser.add_argument("--prefill-step-size", type=int, default=None,
+                        help="both servers' prefill chunk (default: mlx-lm's)")
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="kvstate's chunk snapshots of a hybrid model (default: kvstate's)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
     parser.add_argument("--jit-cache", type=Path, default=None,
@@ -279,9 +322,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvstate-bench-serve-"))
     args.jit_cache = (args.jit_cache or work / "jit").resolve()
     dtype = mx.bfloat16 if args.geometry == "1b" else mx.float32
-    model_dir = save_model_dir(work / "model", "llama", seed=1, dtype=dtype, **GEOMETRIES[args.geometry])
+    geometry = GEOMETRIES[args.geometry] if args.architecture == "llama" else HYBRID_GEOMETRIES[args.geometry]
+    model_dir = save_model_dir(work / "model", args.architecture, seed=1, dtype=dtype, **geometry)
+    if args.prefill_step_size is not None:
+        Server.both_flags = ["--prefill-step-size", str(args.prefill_step_size)]
+    if args.snapshot_every is not None:
+        Server.kvstate_flags = ["--snapshot-every", str(args.snapshot_every)]
     if args.overflow_ram_bytes is None:
-        model, _ = build("llama", vocab_size=512, dtype=dtype, **GEOMETRIES[args.geometry])
+        model, _ = build(args.architecture, vocab_size=512, dtype=dtype, **geometry)
         from kvstate.models.mlx_adapter import spec_from_model
         per_token = spec_from_model(model, "bench").bytes_for(1000) / 1000
         words_per_session = len(SYSTEM.split()) + args.turns * (args.user_words + args.max_tokens)
