@@ -79,9 +79,19 @@ def assemble(blocks: list[Block], like: list, snapshot: Snapshot | None = None, 
             codec = codec_of(held)
             out.append(codec.clone(held, codec.covered(held) or 0))
             continue
-        codec = codec_of(cache)
-        joined = codec.joined([block[layer] for block in blocks], cache)
-        if tokens is not None and joined.offset != tokens:
-            joined = codec.clone(joined, tokens)
-        out.append(joined)
+        spans = [block[layer] for block in blocks]
+        if tokens is not None and spans:
+            spans[-1] = _cut_back(spans, tokens)  # the last block cut back before the join: one copy
+        out.append(codec_of(cache).joined(spans, cache))
     return out
+
+
+def _cut_back(spans: list[dict[str, mx.array]], tokens: int) -> dict[str, mx.array]:
+    """The last of ``spans`` (position axis -2, as every array of a span has it) holding only what is
+    left of ``tokens`` after the spans before it."""
+    before = sum(next(iter(span.values())).shape[-2] for span in spans[:-1])
+    last = spans[-1]
+    keep = tokens - before
+    if not 0 < keep <= next(iter(last.values())).shape[-2]:
+        raise ValueError(f"blocks of {before} positions and then more cannot be cut back to {tokens}")
+    return {name: array[..., :keep, :] for name, array in last.items()}
