@@ -265,6 +265,12 @@ class Entry(PackedIds):
         model whose other layers cannot be cut: only a snapshot at its end serves it)."""
         return self.trimmable or self.block is None
 
+    def counted(self, children: int, ram_children: int, disk_children: int) -> "Entry":
+        """With these counts of the held blocks that extend it (built directly, as ``used``)."""
+        return Entry(self.id, self.namespace, self.packed, self.nbytes, self.trimmable, self.residence,
+                     self.last_used, self.session, self.protected, self.tag, self.file_bytes, self.demote,
+                     self.read_errors, self.parent, self.start, self.block, children, ram_children, disk_children)
+
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
         commonest change)."""

@@ -134,7 +134,10 @@ def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residenc
         count_child(d, entry, children=-1)
     else:
         d.set_entry(attrs.evolve(d.entries[entry.id], residence=after, **changes))
-    count_child(d, entry, **{"ram_children" if tier is d.ram else "disk_children": -1})
+    if tier is d.ram:
+        count_child(d, entry, ram_children=-1)
+    else:
+        count_child(d, entry, disk_children=-1)
 
 
 def _delete(d: Draft, entry: Entry) -> None:
@@ -153,11 +156,12 @@ def add_entry(d: Draft, entry: Entry) -> None:
         count_child(d, entry, children=1)
 
 
-def count_child(d: Draft, entry: Entry, **by: int) -> None:
+def count_child(d: Draft, entry: Entry, children: int = 0, ram_children: int = 0, disk_children: int = 0) -> None:
     """Block ``entry`` entered or left a tier, or was made or forgotten: its parent's counts of it."""
     parent = d.entries.get(entry.parent) if entry.parent is not None else None
     if parent is not None:
-        d.set_entry(attrs.evolve(parent, **{name: getattr(parent, name) + delta for name, delta in by.items()}))
+        d.set_entry(parent.counted(parent.children + children, parent.ram_children + ram_children,
+                                   parent.disk_children + disk_children))
 
 
 def _drop_extensions(d: Draft, entry: Entry) -> None:

@@ -207,6 +207,9 @@ class SimulatorInterpreter(HeldState):
         self._pending: deque[tuple[fx.Effect, SimCaches]] = deque()
         #: RAM entries that are snapshots (their content is every token of their chain).
         self._snapshots: set[int] = set()
+        #: The bytes a position takes in the layers blocks hold, and whether those are all the layers.
+        self._cut_per_token: int | None = None
+        self._all_cut = False
 
     # ------------------------------------------------------------ the facade's side
 
@@ -233,20 +236,19 @@ class SimulatorInterpreter(HeldState):
         """Each block's ``(nbytes, file_bytes)`` for the layers whose state is a span of positions
         (attention), and, where other layers are there, a snapshot's of their state at the end; None
         where no layer can be cut (kept whole)."""
-        cut = [layer for layer in self.model.layers if layer.kind in CUTTABLE]
-        if not cut:
+        if self._cut_per_token is None:
+            cut = [layer for layer in self.model.layers if layer.kind in CUTTABLE]
+            # Attention layers hold the same bytes for every position: a block's are its length's.
+            self._cut_per_token = sum(layer.bytes_for(self.model.position_tokens, self.model.kv) for layer in cut)
+            self._all_cut = len(cut) == len(self.model.layers)
+        per_token = self._cut_per_token
+        if not per_token:
             return None
-        per_token = self.model.position_tokens
-
-        def cut_bytes(positions: int) -> int:
-            return sum(layer.bytes_for(positions * per_token, self.model.kv) for layer in cut)
-        blocks = []
-        for start, stop in spans:
-            nbytes = cut_bytes(stop) - cut_bytes(start)
-            blocks.append((nbytes, self.files.file_bytes(nbytes, stop - start)))
-        if len(cut) == len(self.model.layers):
-            return BlockSizes(tuple(blocks))
-        rest = self.model.bytes_for(len(tokens)) - cut_bytes(len(tokens))
+        blocks = tuple((per_token * (stop - start), self.files.file_bytes(per_token * (stop - start), stop - start))
+                       for start, stop in spans)
+        if self._all_cut:
+            return BlockSizes(blocks)
+        rest = self.model.bytes_for(len(tokens)) - per_token * len(tokens)
         return BlockSizes(tuple(blocks), (rest, self.files.file_bytes(rest, len(tokens))))
 
     def stage_object(self, handle: int, value: object) -> int:
