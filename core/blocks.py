@@ -79,6 +79,15 @@ def spans(length: int, block_tokens: int = BLOCK_TOKENS) -> tuple[tuple[int, int
     return tuple(out)
 
 
+def path_key(namespace: str, prompt: tuple[int, ...] | bytes, block_tokens: int = BLOCK_TOKENS) -> bytes:
+    """The chain key of the block that ends a prefix of ``prompt`` (its last span, full or partial)."""
+    data = prompt if isinstance(prompt, bytes) else packed(prompt)
+    key = namespace_key(namespace)
+    for start, stop in spans(len(data) // WIDTH, block_tokens):
+        key = block_key(key, data[start * WIDTH:stop * WIDTH])
+    return key
+
+
 def block_names(namespace: str, prompt: tuple[int, ...], block_tokens: int = BLOCK_TOKENS) -> tuple[BlockName, ...]:
     """The names of the blocks a prefix of ``prompt`` is kept in (:func:`spans`), first to last."""
     data = packed(prompt)

@@ -15,6 +15,7 @@ import attrs
 
 from kvstate.core import admission, events as ev
 from kvstate.core.checkpoints import reject_checkpoint, resumable, resume_agrees, resume_key
+from kvstate.core.blocks import path_key
 from kvstate.core.checks import ensure_open, keeps, size_text
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.pace import read_measured, read_pays
@@ -136,13 +137,16 @@ def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
         _pin(d, entry.id)
         return
     parts = []
-    for block in chain_of(d, entry, length):
+    chain = chain_of(d, entry, length)
+    for block in chain:
         if block.residence in IN_RAM:
             parts.append(fx.BlockPart(block.id))
-            touch(d, block)
         else:
             parts.append(fx.BlockPart(block.id, saved_name(d, block)))
             _pin(d, block.id)
+    for block in reversed(chain):  # the last block first, as a RAM hit touches them
+        if block.residence in IN_RAM:
+            touch(d, block)
     d.out.append(fx.AssembleBlocks(handle, length, tuple(parts)))
 
 
@@ -155,7 +159,7 @@ def _serve_from_ram(d: Draft, entry: Entry, length: int, handle: int) -> None:
         return
     chain = chain_of(d, entry, length)
     d.out.append(fx.AssembleBlocks(handle, length, tuple(fx.BlockPart(block.id) for block in chain)))
-    for block in chain:
+    for block in reversed(chain):  # the last block first: a chain's start is its most recently used
         touch(d, block)
 
 
@@ -224,6 +228,8 @@ def _session_entry(d: Draft, request: Request, namespace: str) -> Entry | None:
     entry_id = d.ram.index.exact(*kept)
     if entry_id is None and d.config.has_disk:
         entry_id = d.disk.index.exact(*kept)
+    if entry_id is None and d.config.block_tokens is not None:  # a block a longer chain extends since
+        entry_id = d.blocks.get((kept[0], path_key(kept[0], kept[1], d.config.block_tokens)))
     return d.entries.get(entry_id) if entry_id is not None else None
 
 
@@ -273,7 +279,7 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     if waiting is None:
         d.out.append(fx.DropPublished(e.handle))
         return d.step(None)
-    for block in read:
+    for block in reversed(read):
         if block.chained:
             touch(d, d.entries[block.id], disk=True)
     if waiting.lookup is not None:

@@ -18,7 +18,7 @@ from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
 from kvstate.core.blocks import block_key, namespace_key, spans
 from kvstate.core.state import (
-    IN_RAM, OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
+    IN_RAM, ON_DISK, OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
 )
 from kvstate.core.tokens import WIDTH, ids_of, packed, plain
 from kvstate.effects import completions as done
@@ -59,11 +59,9 @@ def can_give_back(entry: Entry) -> bool:
 
 
 def ram_prefixes(state) -> int:
-    """The prefixes RAM holds: its entries, where each is a whole prefix; where state is kept in blocks,
-    the blocks no RAM block extends (each the end of one held prefix)."""
-    if state.config.block_tokens is None:
-        return len(state.ram.index)
-    return sum(1 for entry in state.entries.values() if entry.residence in IN_RAM and not entry.ram_children)
+    """The prefixes RAM holds: what its index lists (whole prefixes, snapshots, and the blocks no RAM
+    block extends: each the end of one chain)."""
+    return len(state.ram.index)
 
 
 def make_ram_room(d: Draft, need: int, spare: frozenset = frozenset()) -> bool:
@@ -123,7 +121,7 @@ def drop_disk(d: Draft, entry: Entry, delete: bool) -> None:
 def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residence | None, **changes) -> None:
     """``entry`` leaves ``tier`` (its index, its ``charge`` of bytes, its policy) for residence
     ``after``; None: the entry is gone."""
-    if entry.indexed:
+    if listed(d.entries[entry.id], tier is d.ram):
         tier.index = tier.index.remove(entry.namespace, entry.packed)
     tier.bytes -= charge
     tier.policy = tier.strategy.removed(tier.policy, entry.id)
@@ -156,12 +154,40 @@ def add_entry(d: Draft, entry: Entry) -> None:
         count_child(d, entry, children=1)
 
 
+def listed(entry: Entry, ram: bool) -> bool:
+    """Whether the index of the tier (RAM where ``ram``) lists ``entry``, which that tier holds: a whole
+    prefix or a snapshot always; a block that serves alone only while no block that tier holds extends
+    it: every shorter prefix is served through the blocks that end the tier's chains, cut back, so the
+    index holds one path a chain, as it holds one a whole prefix. A block that serves only under a
+    snapshot is never listed."""
+    if not entry.indexed:
+        return False
+    return not entry.is_block or not (entry.ram_children if ram else entry.disk_children)
+
+
 def count_child(d: Draft, entry: Entry, children: int = 0, ram_children: int = 0, disk_children: int = 0) -> None:
-    """Block ``entry`` entered or left a tier, or was made or forgotten: its parent's counts of it."""
+    """Block ``entry`` entered or left a tier, or was made or forgotten: its parent's counts of it, and
+    whether the tier's index lists the parent (it does while nothing there extends it)."""
     parent = d.entries.get(entry.parent) if entry.parent is not None else None
-    if parent is not None:
-        d.set_entry(parent.counted(parent.children + children, parent.ram_children + ram_children,
-                                   parent.disk_children + disk_children))
+    if parent is None:
+        return
+    counted = parent.counted(parent.children + children, parent.ram_children + ram_children,
+                             parent.disk_children + disk_children)
+    d.set_entry(counted)
+    if ram_children and parent.residence in IN_RAM:
+        _relist(d.ram, parent, counted, True)
+    if disk_children and parent.residence in ON_DISK:
+        _relist(d.disk, parent, counted, False)
+
+
+def _relist(tier: TierDraft, before: Entry, after: Entry, ram: bool) -> None:
+    """The tier's index follows a change of what extends ``before`` there (``after``). Unlisting
+    checks the index: a keep makes a chain's blocks last first, so a parent may not be in it yet."""
+    was, now = listed(before, ram), listed(after, ram)
+    if was and not now and tier.index.exact(after.namespace, after.packed) == after.id:
+        tier.index = tier.index.remove(after.namespace, after.packed)
+    elif now and not was:
+        tier.index = tier.index.insert(after.namespace, after.packed, after.id, after.trimmable)
 
 
 def _drop_extensions(d: Draft, entry: Entry) -> None:
@@ -179,13 +205,13 @@ def _forget(d: Draft, entry: Entry) -> None:
         d.out.append(fx.DropEntry(entry.id))
     if entry.residence in (R.BOTH, R.DISK, R.SPILLING, R.PREFETCHING):
         d.out.append(fx.DeleteFile(saved_name(d, entry)))
-    if entry.residence in IN_RAM and entry.indexed:
+    if entry.residence in IN_RAM and listed(entry, True):
         d.ram.index = d.ram.index.remove(entry.namespace, entry.packed)
     if entry.residence in IN_RAM:
         d.ram.bytes -= entry.nbytes
         d.ram.policy = d.ram.strategy.removed(d.ram.policy, entry.id)
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING):
-        if entry.indexed:
+        if listed(entry, False):
             d.disk.index = d.disk.index.remove(entry.namespace, entry.packed)
         d.disk.policy = d.disk.strategy.removed(d.disk.policy, entry.id)
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING, R.SPILLING):
@@ -208,7 +234,7 @@ def saved_name(d: Draft, entry: Entry) -> fx.DiskKey | fx.BlockName:
 def insert_ram(d: Draft, entry: Entry) -> None:
     """Index ``entry`` (already set in a RAM residence) and tell the policy."""
     ram = d.ram
-    if entry.indexed:
+    if listed(entry, True):
         ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
     count_child(d, entry, ram_children=1)
@@ -235,7 +261,7 @@ def _idle_again(d: Draft, entry_id: int) -> None:
 
 def insert_disk(d: Draft, entry: Entry) -> None:
     disk = d.disk
-    if entry.indexed:
+    if listed(entry, False):
         disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, entry.length, entry.tag)
     count_child(d, entry, disk_children=1)
@@ -492,17 +518,17 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
         return NotKept(reason)
-    config, parent, new = d.config, None, []
-    for link in links:
+    config, parent, new, entering, used = d.config, None, [], set(), []
+    for link in links:  # first to last: each block's parent is made before it
         held = d.entries.get(link.held.id) if link.held is not None else None
         if held is not None and held.residence in IN_RAM:
-            touch(d, held)
+            pass
         elif held is not None:  # saved only: the published caches give its RAM copy back
             held = attrs.evolve(held, residence=moved(held.residence, Move.ADOPT), last_used=d.now)
             d.set_entry(held)
-            insert_ram(d, held)
             d.ram.bytes += held.nbytes
             d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
+            entering.add(held.id)
         else:
             # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
             held = Entry(d.new_entry_id(), namespace, link.path, link.nbytes, offer.snapshot is None, R.RAM, d.now,
@@ -510,12 +536,21 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
                          file_bytes=link.file_bytes, parent=parent, start=link.start, block=link.key)
             add_entry(d, held)
             d.ram.bytes += held.nbytes
-            insert_ram(d, held)
             d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
             new.append(held.id)
+            entering.add(held.id)
+        used.append(held.id)
         parent = held.id
     if offer.snapshot is not None:
         parent = _keep_snapshot(d, offer, d.entries.get(snapshot.id) if snapshot is not None else None, parent, new)
+    # The policy and the idle order meet the chain last block first, so its start is its most recently
+    # used: an LRU's oldest entries are then leaves, the only blocks it may take.
+    for entry_id in reversed(used):
+        entry = d.entries[entry_id]
+        if entry_id in entering:
+            insert_ram(d, entry)
+        else:
+            touch(d, entry)
     d.out.append(fx.DropPublished(handle))
     if config.has_disk and config.write_behind and config.write_idle_after is None:
         for entry_id in new:

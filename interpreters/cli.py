@@ -60,7 +60,7 @@ def _replay(args: argparse.Namespace) -> int:
     if trace is None:
         return 2
     service = replay_service(args.model, ram_bytes=args.ram, disk_bytes=args.disk, kv_budget_bytes=args.budget,
-                             policy=args.policy)
+                             policy=args.policy, **({"block_tokens": 1} if args.blocks else {}))
 
     def progress(done: int) -> None:
         if done % 1000 == 0:
@@ -69,7 +69,8 @@ def _replay(args: argparse.Namespace) -> int:
     result = replay(trace.requests, service, progress=progress)
     service.close()
     cost = CostModel()
-    print(f"model {args.model}, policy {args.policy}, RAM {args.ram / (1 << 30):.1f} GiB"
+    print(f"model {args.model}, policy {args.policy}, {'blocks' if args.blocks else 'whole prefixes'}, "
+          f"RAM {args.ram / (1 << 30):.1f} GiB"
           + (f", disk {args.disk / (1 << 30):.1f} GiB" if args.disk is not None else ", no disk tier"))
     print(f"requests            {result.requests} ({result.refused} refused)")
     print(f"request hit rate    {result.request_hit_rate:.4f}")
@@ -165,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--budget", type=size_argument, default=None, help="KV budget for admitted requests")
     replay.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
     replay.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
+    replay.add_argument("--blocks", action="store_true",
+                        help="keep state in blocks, one a trace block (as kvstate serve keeps it in 256-token "
+                             "blocks), instead of whole prefixes")
     replay.set_defaults(run=_replay)
     simulate = commands.add_parser(
         "simulate", help="the eviction lab: sweep policies and capacities over a trace",
