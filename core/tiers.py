@@ -498,11 +498,11 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     missing = [link for link in links if link.held is None or link.held.residence not in IN_RAM]
     snapshot_missing = offer.snapshot is not None and (snapshot is None or snapshot.residence not in IN_RAM)
     if not missing and not snapshot_missing:
-        for link in reversed(links):  # the last block first: a chain's start is its most recently used
+        if snapshot is not None:  # the snapshot, then the last block first: a chain's start is its most recent
+            touch(d, d.entries[snapshot.id])
+        for link in reversed(links):
             touch(d, d.entries[link.held.id])
         last = links[-1].held if snapshot is None else snapshot
-        if snapshot is not None:
-            touch(d, d.entries[snapshot.id])
         d.count("duplicates")
         if offer.session is not None:
             d.sessions = d.sessions.set(offer.session, (namespace, d.entries[last.id].packed))
