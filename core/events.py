@@ -87,6 +87,9 @@ class Publish(Event):
     #: Where some layers cannot be cut: the ``(nbytes, file_bytes)`` of their state at the end, kept as
     #: a snapshot on the chain of the other layers' blocks (None: every layer is cut, or kept whole).
     snapshot: tuple[int, int] | None = None
+    #: A snapshot offered mid-prefill (not at the end of a prompt or a segment): kept only where it is
+    #: worth its bytes (:func:`~kvstate.core.tiers.snapshot_worth_keeping`).
+    chunk: bool = False
 
 
 @attrs.frozen

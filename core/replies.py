@@ -46,6 +46,7 @@ class NotKeptReason(enum.Enum):
     TOO_LARGE = "too-large"   #: larger than the whole RAM capacity
     NO_ROOM = "no-room"       #: every entry that could make room is pinned
     NO_FULL_BLOCK = "no-full-block"  #: kept in blocks without partial ones, and shorter than one block
+    NOT_WORTH_ITS_BYTES = "not-worth-its-bytes"  #: a chunk snapshot that saves too little for its bytes
 
 
 @attrs.frozen

@@ -56,6 +56,8 @@ class Report:
     spills_passed_up: int
     #: Spills not made because the write-rate cap (``write_bytes_per_hour``) had no room for them.
     spills_over_rate: int
+    #: Chunk snapshots not kept: not worth their bytes over the snapshot before them.
+    snapshots_passed_up: int
     read_bytes_per_s: float | None
     prefill_tokens_per_s: float | None
     prefetches: int
@@ -104,7 +106,7 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         disk_bytes=state.disk.bytes,
         spills=c.spills, restores=c.restores, bytes_written=c.bytes_written, bytes_read=c.bytes_read,
         read_errors=c.read_errors, restores_passed_up=c.restores_passed_up, spills_passed_up=c.spills_passed_up,
-        spills_over_rate=c.spills_over_rate,
+        spills_over_rate=c.spills_over_rate, snapshots_passed_up=c.snapshots_passed_up,
         read_bytes_per_s=_per_second(state.pace.read_s_per_byte),
         prefill_tokens_per_s=_per_second(state.pace.prefill_s_per_token), prefetches=c.prefetches, disk_evictions=c.disk_evictions,
         rejected_files=c.rejected_files, rejected_held_files=rejected_held_files,

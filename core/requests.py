@@ -108,7 +108,7 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
     d = Draft(state)
     reply = keep(d, Offer(namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
-                          protected, blocks=_blocks_of(e, namespace), snapshot=e.snapshot if e.blocks else None))
+                          protected, blocks=_blocks_of(e, namespace), snapshot=e.snapshot if e.blocks else None, chunk=e.chunk))
     if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
         # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
         d = Draft(state)

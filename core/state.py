@@ -366,6 +366,9 @@ class Counters(NamedTuple):
     restores_passed_up: int = 0
     spills_passed_up: int = 0
     spills_over_rate: int = 0
+    #: Chunk snapshots not kept: they would hold more bytes than the attention state of the tokens they
+    #: save over the snapshot before them (:func:`~kvstate.core.tiers.snapshot_worth_keeping`).
+    snapshots_passed_up: int = 0
 
     def plus(self, counts: dict[str, int]) -> "Counters":
         """These counters with ``counts`` (name -> increment) added."""

@@ -374,6 +374,8 @@ class Offer:
     #: Where some layers cannot be cut (recurrent, sliding windows): the ``(nbytes, file_bytes)`` of
     #: their state at the end, kept as a snapshot on the chain of the other layers' blocks.
     snapshot: tuple[int, int] | None = None
+    #: Offered mid-prefill: kept only where worth its bytes (:func:`snapshot_worth_keeping`).
+    chunk: bool = False
 
 
 def keep(d: Draft, offer: Offer) -> object:
@@ -491,6 +493,10 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     snapshot = _held_snapshot(d, offer) if offer.snapshot is not None else None
     if links is None or snapshot is False:
         return keep(d, attrs.evolve(offer, blocks=(), snapshot=None))
+    if offer.chunk and offer.snapshot is not None and snapshot is None and not snapshot_worth_keeping(d, offer):
+        d.count("snapshots_passed_up")  # the chain's blocks wait for a snapshot that is worth keeping
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(NotKeptReason.NOT_WORTH_ITS_BYTES)
     if not links:
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
@@ -566,6 +572,24 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(offer.tokens))))
     d.count("kept")
     return Kept(last.id)
+
+
+def snapshot_worth_keeping(d: Draft, offer: Offer) -> bool:
+    """Whether a chunk snapshot is worth its bytes: it saves the prefill of the tokens since the
+    deepest snapshot held before it on its chain (in either tier), and it must hold no more bytes than
+    the attention state of those same tokens does. Keeping attention state is how any prefix is
+    reused, so a snapshot that saves less compute per byte than that is passed up; the next chunk's,
+    further on, saves more for the same bytes. Snapshots at the end of a prompt or a segment are
+    always offered to the policy (they are what a continuation reuses)."""
+    tokens = offer.tokens
+    before = 0
+    tiers = (d.ram, d.disk) if d.config.has_disk else (d.ram,)
+    for tier in tiers:
+        for length, entry_id, _ in tier.index.prefixes_of(offer.namespace, tokens):
+            if length > before and d.entries[entry_id].is_snapshot:
+                before = length
+    attention_per_token = sum(nbytes for nbytes, _ in offer.blocks) / len(tokens)
+    return offer.snapshot[0] <= (len(tokens) - before) * attention_per_token
 
 
 def _held_snapshot(d: Draft, offer: Offer) -> Entry | None | bool:

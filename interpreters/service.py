@@ -252,8 +252,11 @@ class KvCacheService:
         """Whether state ``request`` publishes may be kept (skip copying it otherwise)."""
         return self._run(ev.Keeps(request))
 
-    def publish(self, request: Request, namespace: str, tokens: Iterable[int], caches: Any) -> bool:
-        """Offer ``caches`` covering ``tokens`` for reuse; True if kept. On an error the caller keeps them."""
+    def publish(self, request: Request, namespace: str, tokens: Iterable[int], caches: Any, *,
+                chunk: bool = False) -> bool:
+        """Offer ``caches`` covering ``tokens`` for reuse; True if kept. On an error the caller keeps them.
+        ``chunk``: the state is a prefill's, mid-prompt, offered for the snapshot of a model whose
+        layers cannot all be cut; kept only where worth its bytes."""
         request = request_check(request)
         tokens = as_tokens(tokens, "published tokens", known=request.prompt)
         check_namespace(namespace)
@@ -266,7 +269,8 @@ class KvCacheService:
                 file_bytes = self._file_bytes(handle, namespace, tokens, facts)
                 sizes = self._block_sizes(handle, namespace, tokens)
                 event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable,
-                                   file_bytes, sizes.blocks if sizes else (), sizes.snapshot if sizes else None)
+                                   file_bytes, sizes.blocks if sizes else (), sizes.snapshot if sizes else None,
+                                   chunk)
                 return isinstance(self._run(event), Kept)  # under backpressure the core waits for writes
             except BaseException:
                 self._interpreter.unstage(handle)

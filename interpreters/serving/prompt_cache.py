@@ -164,7 +164,7 @@ class KvStatePromptCache:
             key = key[:covered]
         request = Request(key, 1)
         try:
-            kept = self.service.publish(request, namespace, key, prompt_cache)
+            kept = self.service.publish(request, namespace, key, prompt_cache, chunk=cache_type == "chunk")
         except KvStateError:
             return  # caches the service cannot take (their tokens disagree): not kept, as a full cache would
         if kept:
