@@ -467,8 +467,10 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
             if indexed is not None and not d.entries[indexed].chained:
                 return None
         held = d.entries[found] if found is not None else None
-        if held is None and offer.snapshot is None and stop - start < d.config.block_tokens:
-            held = _covering(d, offer.namespace, path, start)
+        if (offer.snapshot is None and stop - start < d.config.block_tokens
+                and (held is None or held.residence not in IN_RAM)):
+            # A partial last block a RAM block already covers is not kept again (nor its saved copy adopted).
+            held = _covering(d, offer.namespace, path, start) or held
         links.append(_Link(start, stop, path, key, nbytes, file_bytes, held))
         parent = key
     return links

@@ -459,11 +459,16 @@ class TieredServiceMachine(BaseMachine):
             if self.idle_rule != "write":  # given back: off RAM, or leaving it once its write lands
                 assert entry.residence not in (Residence.RAM, Residence.BOTH)
                 assert entry.residence is not Residence.SPILLING or entry.demote
-            elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it,
-                # or the disk has none that anything saved could make (all of it being written)
+            elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it
+                # (and for the unwritten blocks it extends: a block is written after its parent), or the
+                # disk has none that anything saved could make (all of it being written)
                 saved = [e for e in state.entries.values() if e.residence in (Residence.BOTH, Residence.DISK)]
-                assert (state.writes.bytes + entry.nbytes > state.config.write_queue_bytes
-                        or (state.disk.bytes + entry.file_bytes > DISK and not saved))
+                unwritten, at = [], entry
+                while at is not None and at.residence is Residence.RAM:
+                    unwritten.append(at)
+                    at = state.entries.get(at.parent) if at.parent is not None else None
+                assert (any(state.writes.bytes + e.nbytes > state.config.write_queue_bytes for e in unwritten)
+                        or (state.disk.bytes + sum(e.file_bytes for e in unwritten) > DISK and not saved))
 
     @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]))
     def prefetch(self, prompt, namespace):
