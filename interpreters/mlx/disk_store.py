@@ -582,22 +582,20 @@ class DiskStore:
     def read_block(self, name: BlockName) -> list[dict[str, mx.array]]:
         """The arrays of the block ``name`` names, each layer's; :class:`RejectedFile` (moved aside) if
         they cannot be trusted (a header that names another block, or fails its hashes)."""
-        described, block = self._load(self.block_path(name))
-        if described.block != name:
-            self.move_aside(described.path, FailureReason.CORRUPT)
-            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds another block than its name")
-        _touch(described.path)
-        return block
+        return self._read_named(name)
 
     def read_snapshot(self, name: SnapshotName) -> list:
         """The caches of the snapshot ``name`` names (None for the layers blocks hold);
         :class:`RejectedFile` (moved aside) if they cannot be trusted."""
-        described, snapshot = self._load(self.snapshot_path(name))
+        return self._read_named(name)
+
+    def _read_named(self, name: BlockName | SnapshotName) -> list:
+        described, content = self._load(self._path_of(name))
         if described.block != name:
             self.move_aside(described.path, FailureReason.CORRUPT)
-            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds another snapshot than its name")
+            raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds other state than its name says")
         _touch(described.path)
-        return snapshot
+        return content
 
     def read_checkpoint(self, key: str) -> tuple[CheckpointMeta, tuple[int, ...], list]:
         described, caches = self._load(self.checkpoint_path(key))
