@@ -270,7 +270,6 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
         unpin(d, entry_id)
         if entry_id in d.entries:
             read.append(d.entries[entry_id])
-    entry = d.entries.get(e.entry)
     if read:
         read_bytes = sum(block.file_bytes for block in read)
         d.count("bytes_read", read_bytes)
@@ -279,23 +278,16 @@ def restore_done(state: ServiceState, e: done.RestoreDone) -> Step:
     if waiting is None:
         d.out.append(fx.DropPublished(e.handle))
         return d.step(None)
-    for block in reversed(read):
-        if block.chained:
-            touch(d, d.entries[block.id], disk=True)
+    for block in reversed(read):  # what was read was used: a chain's last block first
+        touch(d, d.entries[block.id], disk=True)
     if waiting.lookup is not None:
-        if entry is not None and not entry.chained:
-            touch(d, entry, disk=True)
         d.count("restores")
         return d.step(_looked_up(d, e.handle, waiting.tokens, Source.DISK))
     if waiting.lease is None:  # an object read from disk
         d.acquiring = without(d.acquiring, e.handle)
-        if entry is not None:
-            touch(d, entry, disk=True)
         d.count("object_hits")
         d.count("object_restores")
         return d.step(ObjectFound(e.handle, Source.DISK))
-    if entry is not None and not entry.chained:
-        touch(d, entry, disk=True)
     d.count("restores")
     reply = finish_acquire(d, waiting.lease, e.handle, Served(waiting.tokens, Source.DISK, e.entry))
     return d.step(reply)

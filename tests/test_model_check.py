@@ -385,6 +385,18 @@ class TieredServiceMachine(BaseMachine):
         """What an entry's content is: the tokens it covers (a block's own, in the blocked machine)."""
         return entry.tokens
 
+    def saved_key(self, entry):
+        """The name of an entry's file on the simulated disk."""
+        return DiskKey(entry.namespace, entry.tokens)
+
+    def rotten_key(self, key):
+        """The ``(namespace, tokens)`` a rejected file held."""
+        return key.namespace, key.tokens
+
+    def lost_with(self, key, rotten):
+        """Whether kept state ``key`` is lost with the ``rotten`` files: only its own."""
+        return key in rotten
+
     def held_listing(self, disk=True):
         state = self.service.state
         return ([(ns, t, trim) for ns, t, _, trim in state.ram.index.items()]
@@ -485,15 +497,14 @@ class TieredServiceMachine(BaseMachine):
         if not result.durable:
             return
         kept = {(e.namespace, e.tokens): e for e in state.entries.values()}
-        for (ns, tokens), entry in kept.items():
+        for entry in kept.values():
             if entry.residence in IN_RAM:
-                file = self.disk.files[DiskKey(ns, tokens)]
-                assert file.content == tokens
+                assert self.disk.files[self.saved_key(entry)].content == self.own_tokens(entry)
         # The process dies here: a fresh service finds every kept prefix on disk (invariant 5).
         self.service = self.restarted()
-        found = {(ns, t) for ns, t, _, _ in self.service.state.disk.index.items()}
-        rotten = {(k.namespace, k.tokens) for k, _ in self.disk.rejected}
-        assert set(kept) - rotten <= found
+        found = {(e.namespace, e.tokens) for e in self.service.state.entries.values()}
+        rotten = {self.rotten_key(k) for k, _ in self.disk.rejected}
+        assert {key for key in kept if not self.lost_with(key, rotten)} <= found
         self.live.clear()
 
     @invariant()
@@ -624,22 +635,15 @@ class BlockedServiceMachine(TieredServiceMachine):
                     own_a, own_b = self.own_tokens(a), self.own_tokens(b)
                     assert own_b[:len(own_a)] != own_a, (a, b)
 
-    @rule()
-    def flush_then_crash_and_restart(self):
-        result = self.service.flush()
-        state = self.service.state
-        if not result.durable:
-            return
-        kept = {(e.namespace, e.tokens): e for e in state.entries.values()}
-        for entry in kept.values():
-            if entry.residence in IN_RAM:
-                assert self.disk.files[saved_key(entry)].content == self.own_tokens(entry)
-        self.service = self.restarted()
-        found = {(e.namespace, e.tokens) for e in self.service.state.entries.values()}
-        rotten = {saved_key_of(k) for k, _ in self.disk.rejected}
-        # A rotten block takes every block after it along: those serve nothing without it.
-        assert {key for key in kept if not any(key[0] == ns and key[1][:len(t)] == t for ns, t in rotten)} <= found
-        self.live.clear()
+    def saved_key(self, entry):
+        return saved_key(entry)
+
+    def rotten_key(self, key):
+        return saved_key_of(key)
+
+    def lost_with(self, key, rotten):
+        """A rotten block takes every block after it along: those serve nothing without it."""
+        return any(key[0] == ns and key[1][:len(t)] == t for ns, t in rotten)
 
     @invariant()
     def disk_within_capacity_and_holds_only_what_was_published(self):
