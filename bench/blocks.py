@@ -129,8 +129,8 @@ def run_workload(model_name: str, workload: str, block_tokens: int | None, direc
 
 def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
     """Seconds of a verified restore of a ``tokens``-token prefix at the Llama-3.1-8B geometry (128
-    KiB a token in bf16): read whole from one file, and assembled from its block files (and those
-    files read alone, without the join); against the fastest plain read of the whole file's bytes
+    KiB a token in bf16): read whole from one file; from its block files read into place (as restores
+    in blocks run), or one file at a time and then joined (and those loads alone); against the fastest plain read of the whole file's bytes
     into a reused buffer (``bench/disk.py``'s floor). Freed memory is kept for reuse, as in
     ``kvstate serve``; each figure the best of ``repeat``."""
     import mlx.core as mx
@@ -142,7 +142,7 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
     from kvstate.core.blocks import block_names
     from kvstate.effects import DiskKey
     from kvstate.interpreters.mlx import caches as mlx_caches
-    from kvstate.interpreters.mlx.blocks import assemble, cut
+    from kvstate.interpreters.mlx.blocks import assemble, assemble_joined, cut
     from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
 
     from kvstate.interpreters.mlx.host_memory import keep_freed_memory
@@ -163,6 +163,9 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
             mx.eval(mlx_caches.arrays_of(store.read_prefix(key)))
 
         def blocks():
+            mx.eval(mlx_caches.arrays_of(assemble_joined(store.read_chain(names), like)))
+
+        def blocks_joined():
             mx.eval(mlx_caches.arrays_of(assemble([store.read_block(name) for name in names], like)))
 
         def blocks_unjoined():
@@ -171,8 +174,8 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
         path = str(store.prefix_path(key))
         buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
         raw = fastest_read(path, buffer, repeat)
-        figures = {"whole": best(whole, repeat), "blocks": best(blocks, repeat),
-                   "blocks, read only": best(blocks_unjoined, repeat)}
+        figures = {"whole": best(whole, repeat), "blocks, into place": best(blocks, repeat),
+                   "blocks, then joined": best(blocks_joined, repeat), "blocks, not joined": best(blocks_unjoined, repeat)}
         print(f"verified restore of {tokens:,} tokens ({os.path.getsize(path) / 1e6:,.0f} MB; {len(names)} block "
               f"files of {block_tokens} tokens); raw read of the whole file {raw * 1e3:.0f} ms")
         for name, seconds in figures.items():

@@ -2,7 +2,8 @@
 
 :class:`DiskFaults` stands between the store and the device through the store's two storage seams:
 its writes (``write_file``, the store's argument) and its reads of saved bytes
-(``file_io.read_into``, which :meth:`DiskFaults.installed` patches). Each call draws, from its own
+(``file_io.read_into`` and, for blocks read into their place in a chain, ``file_io.read_pieces``, which
+:meth:`DiskFaults.installed` patches). Each call draws, from its own
 seeded generator, whether one of the enabled faults strikes:
 
 - on a read: ``eio_on_read`` (the read raises EIO), ``short_read`` (half the bytes come back),
@@ -53,7 +54,7 @@ class DiskFaults:
     @contextlib.contextmanager
     def installed(self):
         """The store's reads go through these faults while the block runs."""
-        real, by_path = file_io.read_into, file_io.READ_BY_PATH
+        real, real_pieces, by_path = file_io.read_into, file_io.read_pieces, file_io.READ_BY_PATH
         file_io.READ_BY_PATH = False  # MLX's loader reads through the seam too, not by the file's path
 
         def read_into(file, view: memoryview) -> int:
@@ -68,11 +69,25 @@ class DiskFaults:
                 view[at] = view[at] ^ (1 << self.random.randrange(8))
             return count
 
-        file_io.read_into = read_into
+        def read_pieces(file, views: list, offset: int) -> int:
+            fault = self._strikes(READ_FAULTS)
+            if fault == "eio_on_read":
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            if fault == "short_read":
+                half = views[:len(views) // 2] if len(views) > 1 else [views[0][:len(views[0]) // 2]]
+                return real_pieces(file, half, offset)
+            count = real_pieces(file, views, offset)
+            if fault == "flipped_bytes" and count:
+                piece = self.random.choice([view for view in views if len(view)])
+                at = self.random.randrange(len(piece))
+                piece[at] = piece[at] ^ (1 << self.random.randrange(8))
+            return count
+
+        file_io.read_into, file_io.read_pieces = read_into, read_pieces
         try:
             yield self
         finally:
-            file_io.read_into, file_io.READ_BY_PATH = real, by_path
+            file_io.read_into, file_io.read_pieces, file_io.READ_BY_PATH = real, real_pieces, by_path
 
     # ------------------------------------------------------------ writes
 

@@ -2,7 +2,7 @@
 
 A hypothesis state machine drives a real service (``for_mlx``: a random-weight llama, real arrays,
 real safetensors files) through requests that share prefixes, memory pressure, flushes and
-restarts, while the store's reads and writes fail at a rate drawn per run (EIO, short reads,
+restarts, kept whole or in blocks, while the store's reads and writes fail at a rate drawn per run (EIO, short reads,
 flipped bytes, ENOSPC, EIO on write and fsync). Against a naive reference, recomputation and the
 list of what was published, every port call keeps its contract:
 
@@ -52,9 +52,11 @@ def keys_and_values(caches, length: int) -> list:
 class ServiceUnderDiskFaults(RuleBasedStateMachine):
     """One service over one directory; reads and writes below it fail at the drawn rate."""
 
-    @initialize(rate=st.sampled_from([0.0, 0.1, 0.3, 0.6]), seed=st.integers(0, 1000), loader=st.sampled_from(LOADERS))
-    def start(self, rate, seed, loader):
+    @initialize(rate=st.sampled_from([0.0, 0.1, 0.3, 0.6]), seed=st.integers(0, 1000), loader=st.sampled_from(LOADERS),
+                block_tokens=st.sampled_from([None, 4]))
+    def start(self, rate, seed, loader, block_tokens):
         self.loader = loader  # how restores read a file: both ways meet the same faults
+        self.block_tokens = block_tokens  # whole prefixes, or blocks of 4 (a chain read into place)
         self.directory = tempfile.mkdtemp(prefix="kvstate-faults-")
         self.faults = DiskFaults(rate, seed)
         self.reads = self.faults.installed()
@@ -68,7 +70,7 @@ class ServiceUnderDiskFaults(RuleBasedStateMachine):
         return KvCacheService.for_mlx(MODEL, config=CONFIG, name="faults", ram_bytes=24 << 10,
                                       disk_dir=self.directory, disk_bytes=1 << 22,
                                       write_file=self.faults.write_file, background_writes=False,
-                                      disk_loader=self.loader)
+                                      disk_loader=self.loader, block_tokens=self.block_tokens)
 
     def teardown(self):
         try:

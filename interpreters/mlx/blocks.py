@@ -72,17 +72,48 @@ def assemble(blocks: list[Block], like: list, snapshot: Snapshot | None = None, 
     """Caches covering the consecutive ``blocks``, first position first, of ``like``'s classes (a
     model's fresh caches, say), cut back to ``tokens`` positions where given; the layers that cannot
     be cut copied from ``snapshot``: what a hit on them hands the generation loop."""
-    out = []
+    if tokens is not None and blocks:
+        last = [_cut_back([block[layer] for block in blocks], tokens) if blocks[-1][layer] else {}
+                for layer in range(len(like))]  # the last block cut back before the join: one copy
+        blocks = [*blocks[:-1], last]
+    joined = [codec_of(cache).joined([block[layer] for block in blocks], cache) if cuttable(cache) else None
+              for layer, cache in enumerate(like)]
+    return _with_snapshot(joined, like, snapshot)
+
+
+def assemble_joined(layers: list[dict[str, mx.array]], like: list, snapshot: Snapshot | None = None,
+                    tokens: int | None = None) -> list:
+    """As :func:`assemble`, from each layer's arrays of the blocks already joined (a chain read into
+    place, :mod:`~kvstate.interpreters.mlx.chain_reads`): the caches hold them as they are, no copy,
+    trimmed to ``tokens`` positions where given (the arrays may hold more, as a cache's own buffer
+    does)."""
+    joined = []
     for layer, cache in enumerate(like):
-        if snapshot is not None and snapshot[layer] is not None:
-            held = snapshot[layer]
-            codec = codec_of(held)
-            out.append(codec.clone(held, codec.covered(held) or 0))
+        if not cuttable(cache):
+            joined.append(None)
             continue
-        spans = [block[layer] for block in blocks]
-        if tokens is not None and spans:
-            spans[-1] = _cut_back(spans, tokens)  # the last block cut back before the join: one copy
-        out.append(codec_of(cache).joined(spans, cache))
+        arrays = layers[layer]
+        codec = codec_of(cache)
+        if not arrays:
+            joined.append(codec.joined([], cache))
+            continue
+        positions = next(iter(arrays.values())).shape[-2]
+        joined.append(codec.holding(arrays, cache, positions if tokens is None else min(tokens, positions)))
+    return _with_snapshot(joined, like, snapshot)
+
+
+def _with_snapshot(joined: list, like: list, snapshot: Snapshot | None) -> list:
+    """``joined`` with each layer that cannot be cut (None there) copied from ``snapshot``."""
+    out = []
+    for layer, cache in enumerate(joined):
+        if cache is None:
+            held = snapshot[layer] if snapshot is not None else None
+            if held is None:
+                raise ValueError(f"layer {layer} ({type(like[layer]).__name__}) cannot be cut and no snapshot "
+                                 f"holds it")
+            codec = codec_of(held)
+            cache = codec.clone(held, codec.covered(held) or 0)
+        out.append(cache)
     return out
 
 

@@ -74,12 +74,15 @@ class KVCodec:
 
     def joined(self, spans: list[dict[str, mx.array]], like: KVCache) -> KVCache:
         """A cache of the consecutive ``spans``, first position first, of ``like``'s kind."""
-        cache = KVCache()
-        if spans:
-            cache.keys = mx.concatenate([s["keys"] for s in spans], axis=2)
-            cache.values = mx.concatenate([s["values"] for s in spans], axis=2)
-            cache.offset = cache.keys.shape[2]
-        return cache
+        if not spans:
+            return KVCache()
+        joined = {name: mx.concatenate([s[name] for s in spans], axis=2) for name in ("keys", "values")}
+        return self.holding(joined, like, joined["keys"].shape[2])
+
+    def holding(self, arrays: dict[str, mx.array], like: KVCache, tokens: int) -> KVCache:
+        """A cache of ``like``'s kind over the first ``tokens`` positions of one span's ``arrays``, held
+        as they are (no copy: they must be the new cache's alone)."""
+        return self.load(arrays, {"offset": tokens})
 
 
 class RotatingCodec:
@@ -174,14 +177,14 @@ class QuantizedCodec:
         return arrays
 
     def joined(self, spans: list[dict[str, mx.array]], like: QuantizedKVCache) -> QuantizedKVCache:
-        cache = QuantizedKVCache(group_size=like.group_size, bits=like.bits)
-        if spans:
-            def join(name: str) -> mx.array:
-                return mx.concatenate([s[name] for s in spans], axis=2)
-            cache.keys = tuple(join(f"keys.{i}") for i in range(3))
-            cache.values = tuple(join(f"values.{i}") for i in range(3))
-            cache.offset = cache.keys[0].shape[2]
-        return cache
+        if not spans:
+            return QuantizedKVCache(group_size=like.group_size, bits=like.bits)
+        joined = {name: mx.concatenate([s[name] for s in spans], axis=2) for name in spans[0]}
+        return self.holding(joined, like, joined["keys.0"].shape[2])
+
+    def holding(self, arrays: dict[str, mx.array], like: QuantizedKVCache, tokens: int) -> QuantizedKVCache:
+        """As :meth:`KVCodec.holding`, with ``like``'s quantisation."""
+        return self.load(arrays, {"offset": tokens, "group_size": like.group_size, "bits": like.bits})
 
 
 class ArraysCodec:

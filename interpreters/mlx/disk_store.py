@@ -21,6 +21,7 @@ from headers alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -41,8 +42,9 @@ from kvstate.core.blocks import saved_chains
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason, SavedBlock, SavedCheckpoint, SavedRecord
 from kvstate.effects.effects import BlockName, CheckpointMeta, DiskKey, SnapshotName
-from kvstate.interpreters.mlx import file_io, framing
+from kvstate.interpreters.mlx import chain_reads, file_io, framing
 from kvstate.interpreters.mlx.caches import codec_named, codec_of
+from kvstate.interpreters.mlx.chain_reads import HeldPart, PartRejected, SavedPart
 from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
 from kvstate.interpreters.mlx.file_io import (
     LOADERS, ReadBuffers, RejectedFile, SeamReader, WriteFailed, default_loader, open_file_path, private_directory,
@@ -583,6 +585,64 @@ class DiskStore:
         """The arrays of the block ``name`` names, each layer's; :class:`RejectedFile` (moved aside) if
         they cannot be trusted (a header that names another block, or fails its hashes)."""
         return self._read_named(name)
+
+    def read_chain(self, chain: list[BlockName | list[dict[str, mx.array]]]) -> list[dict[str, mx.array]]:
+        """Each layer's arrays of a chain of blocks, joined (first position first): the blocks named read
+        from their files straight into their places and verified there, the others (blocks held in RAM)
+        copied in (:mod:`~kvstate.interpreters.mlx.chain_reads`).
+
+        :class:`PartRejected` names the block that cannot be trusted (its file moved aside where its
+        header or bytes are wrong); an I/O error or a short read is tried once more from fresh opens."""
+        for attempt in (1, 2):
+            try:
+                return self._read_chain_once(chain)
+            except PartRejected as failure:
+                if failure.rejected.reason is not FailureReason.IO_ERROR or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_chain_once(self, chain: list[BlockName | list[dict[str, mx.array]]]) -> list[dict[str, mx.array]]:
+        layers = 0
+        with contextlib.ExitStack() as files:
+            parts: list[SavedPart | HeldPart] = []
+            opened: dict[int, tuple[Path, BinaryIO]] = {}
+            for index, part in enumerate(chain):
+                if not isinstance(part, BlockName):
+                    arrays = {f"{i}.{array_name}": a for i, layer in enumerate(part) for array_name, a in layer.items()}
+                    positions = next(iter(arrays.values())).shape[-2] if arrays else 0
+                    parts.append(HeldPart(arrays, positions))
+                    layers = max(layers, len(part))
+                    continue
+                path = self.block_path(part)
+                try:
+                    file = files.enter_context(self._open(path))
+                    opened[index] = (path, file)
+                    described, metadata, tensors = self._describe(path, file)
+                    if described.block != part:
+                        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: holds other state than its name says")
+                except RejectedFile as rejected:
+                    if index in opened:  # moved aside where its header or its name is wrong
+                        self._reject(path, file, rejected)
+                    raise PartRejected(index, rejected) from None
+                layers = max(layers, len(json.loads(metadata["kvstate.layers"])))
+                data = max((info["data_offsets"][1] for info in tensors.values()), default=0)
+                parts.append(SavedPart(file, path.name, tensors, described.file_bytes - data,
+                                       json.loads(metadata["kvstate.hashes"]), len(part.tokens)))
+            try:
+                arrays = chain_reads.read_chain(parts, self.verify)
+            except PartRejected as failure:
+                if failure.index in opened:
+                    self._reject(*opened[failure.index], failure.rejected)
+                raise
+        for path, _ in opened.values():
+            _touch(path)
+        if self.to_device:
+            move_to_device(arrays.values())
+        joined: list[dict[str, mx.array]] = [{} for _ in range(layers)]
+        for name, a in arrays.items():
+            layer, _, array_name = name.partition(".")
+            joined[int(layer)][array_name] = a
+        return joined
 
     def read_snapshot(self, name: SnapshotName) -> list:
         """The caches of the snapshot ``name`` names (None for the layers blocks hold);

@@ -2,7 +2,8 @@
 restore reads a file.
 
 Every read of a saved file's bytes goes through :func:`read_into` (or, for MLX's own loader, through
-the open file's own path or :class:`SeamReader`, which calls it): the one seam the fault tests patch.
+the open file's own path or :class:`SeamReader`, which calls it), or, for a block read into its place
+in a chain's arrays, :func:`read_pieces`: the seams the fault tests patch.
 Writes go through :func:`write_durably` (the store's default ``write_file``). A file that cannot be
 trusted is :class:`RejectedFile`, a write that did not land :class:`WriteFailed`, each with the
 reason the core hears.
@@ -50,6 +51,31 @@ def read_into(file: BinaryIO, view: memoryview) -> int:
             break
         done += count
     return done
+
+
+def read_pieces(file: BinaryIO, views: list[memoryview], offset: int) -> int:
+    """Read ``file`` from ``offset`` into ``views`` one after another (a scattered read: each view is
+    one piece of the bytes that follow), until they are full or the file ends; the bytes read."""
+    fd = file.fileno()
+    got = os.preadv(fd, views, offset) if hasattr(os, "preadv") else 0
+    at = 0
+    for view in views:  # what one scattered read left (a short read, or no preadv here), piece by piece
+        have = min(max(got - at, 0), len(view))
+        while have < len(view):
+            count = _pread_into(fd, view[have:], offset + at + have)
+            if not count:
+                return at + have
+            have += count
+        at += len(view)
+    return at
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[:len(data)] = data
+    return len(data)
 
 
 #: Whether MLX's loader may read a file by its open descriptor's own path (``/proc/self/fd/N`` names

@@ -9,6 +9,7 @@ writes and reads the metadata; this module frames it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -31,20 +32,27 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16"
                "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 
 
-_HASHERS: ThreadPoolExecutor | None = None
+#: Threads that hash and read saved files.
+WORKER_COUNT = min(8, os.cpu_count() or 1)
+_WORKERS: ThreadPoolExecutor | None = None
 
 
 _digest = content_hash.digest
 
 
+def workers() -> ThreadPoolExecutor:
+    """The threads that hash and read saved files (reads and the hash let go of the GIL)."""
+    global _WORKERS
+    if _WORKERS is None:
+        _WORKERS = ThreadPoolExecutor(max_workers=WORKER_COUNT, thread_name_prefix="kvstate-hash")
+    return _WORKERS
+
+
 def hash_all(buffers: list) -> list[str]:
     """The content hash of each buffer, on a few threads (the hash lets go of the GIL on large buffers)."""
-    global _HASHERS
     if len(buffers) < 2:
         return [_digest(b) for b in buffers]
-    if _HASHERS is None:
-        _HASHERS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvstate-hash")
-    return list(_HASHERS.map(_digest, buffers))
+    return list(workers().map(_digest, buffers))
 
 
 def header_digest(metadata: dict[str, str], tensors: dict[str, Any]) -> str:
@@ -124,7 +132,9 @@ def header_of(file: BinaryIO, name: str) -> tuple[dict[str, str], dict[str, Any]
     for tensor, info in header.items():
         try:
             start, stop = info["data_offsets"]
-            count = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
+            if not all(isinstance(n, int) and n >= 0 for n in info["shape"]):
+                raise ValueError
+            count = math.prod(info["shape"])
             if not (0 <= start <= stop) or stop - start != count * DTYPE_BYTES[info["dtype"]]:
                 raise ValueError
         except (KeyError, TypeError, ValueError):

@@ -12,6 +12,7 @@ encoded on the caller's thread and committed by a background writer
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import threading
@@ -29,6 +30,7 @@ from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.mlx import caches as mlx_caches
+from kvstate.interpreters.mlx.chain_reads import PartRejected
 from kvstate.interpreters.mlx.disk_store import LOADERS, DiskStore, RejectedFile, StoreIdentity, WriteFailed
 from kvstate.interpreters.mlx.weights_identity import weights_fingerprint
 from kvstate.models.mlx_adapter import model_fingerprint, spec_from_model, tokenizer_hash
@@ -254,35 +256,43 @@ class MlxInterpreter(HeldState):
         return []
 
     def _assemble_blocks(self, e: fx.AssembleBlocks) -> list:
-        """The chain's caches: RAM blocks as kept, the others read and verified, joined and trimmed; the
-        layers that cannot be cut from the snapshot that ends the chain, if one does."""
+        """The chain's caches: the blocks RAM lacks read straight into the joined layers and verified
+        there (:meth:`DiskStore.read_chain`), the RAM blocks copied in, the whole trimmed; the layers
+        that cannot be cut from the snapshot that ends the chain, if one does."""
         started = time.perf_counter()
-        blocks, read, snapshot = [], [], None
+        chain, entries, snapshot = [], [], None
+        saved = tuple(p.entry for p in e.blocks if p.saved is not None)
         for part in e.blocks:
-            if part.saved is None:
-                held = self._ram[part.entry]
-                is_snapshot = part.entry in self._snapshots
-            else:
-                held = self._read_saved(part.saved)
-                if isinstance(held, done.FailureReason):
-                    pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
-                    return [done.RestoreFailed(part.entry, e.handle, held, pinned)]
-                is_snapshot = isinstance(part.saved, fx.SnapshotName)
-                read.append(part.entry)
-            if is_snapshot:
-                snapshot = held
-            else:
-                blocks.append(held)
-        self._handles[e.handle] = mlx_blocks.assemble(blocks, self.fresh(), snapshot, e.tokens)
-        if not read:
+            if part.entry in self._snapshots if part.saved is None else isinstance(part.saved, fx.SnapshotName):
+                snapshot = part
+                continue
+            chain.append(self._ram[part.entry] if part.saved is None else part.saved)
+            entries.append(part.entry)
+        if any(isinstance(block, fx.BlockName) for block in chain):
+            try:
+                joined = self._store().read_chain(chain)
+            except PartRejected as failure:
+                return [done.RestoreFailed(entries[failure.index], e.handle, failure.rejected.reason, saved)]
+            except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the files left as they are
+                first = next(entry for entry, block in zip(entries, chain) if isinstance(block, fx.BlockName))
+                return [done.RestoreFailed(first, e.handle, done.FailureReason.IO_ERROR, saved)]
+            assemble = functools.partial(mlx_blocks.assemble_joined, joined)
+        else:
+            assemble = functools.partial(mlx_blocks.assemble, chain)
+        held = None
+        if snapshot is not None:
+            held = self._ram[snapshot.entry] if snapshot.saved is None else self._read_saved(snapshot.saved)
+            if isinstance(held, done.FailureReason):
+                return [done.RestoreFailed(snapshot.entry, e.handle, held, saved)]
+        self._handles[e.handle] = assemble(self.fresh(), held, e.tokens)
+        if not saved:
             return []
-        return [done.RestoreDone(read[-1], e.handle, time.perf_counter() - started, tuple(read))]
+        return [done.RestoreDone(saved[-1], e.handle, time.perf_counter() - started, saved)]
 
-    def _read_saved(self, name: fx.BlockName | fx.SnapshotName) -> list | done.FailureReason:
-        """A block's or a snapshot's content read back and verified, or why not."""
+    def _read_saved(self, name: fx.SnapshotName) -> list | done.FailureReason:
+        """A snapshot's content read back and verified, or why not."""
         try:
-            store = self._store()
-            return store.read_snapshot(name) if isinstance(name, fx.SnapshotName) else store.read_block(name)
+            return self._store().read_snapshot(name)
         except RejectedFile as rejected:
             return rejected.reason
         except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
