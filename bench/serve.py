@@ -30,7 +30,7 @@ Prints, per workload and server, TTFT p50 and p99, output tokens per second and 
 tokens the server reported, then kvstate's figures as ratios of stock's, and the kernels each kind
 compiled (those only one of them needed by name).
 
-    python bench/serve.py [--geometry small|1b] [--workloads chat,agent,overflow,restart]
+    python bench/serve.py [--geometry small|1b|8b] [--workloads chat,agent,overflow,restart]
     python bench/serve.py --architecture qwen3_next --workloads edit --prefill-step-size 256 --snapshot-every 256
 """
 
@@ -59,6 +59,9 @@ GEOMETRIES = {
     # the geometry of Llama 3.2 1B (16 layers, 2048 wide, 8 KV heads of 64), random weights, bf16
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64),
+    # the geometry of Llama 3.1 8B with its real context (prompts of 4,000-16,000 tokens fit)
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, max_position_embeddings=131072),
 }
 #: The same sizes for the hybrid reference (qwen3_next: gated-delta recurrent layers beside attention).
 HYBRID_GEOMETRIES = {
@@ -103,6 +106,11 @@ def compiled_kernels(folder: Path) -> list[str]:
     by name, and the files of the CUDA driver's compute cache (named by hash)."""
     return sorted(str(path.relative_to(folder)) for pattern in ("ptx/**/*.ptx", "tmp/mlx/**/*.so", "cuda/**/*")
                   for path in folder.glob(pattern) if path.is_file())
+
+
+class RequestFailed(SystemExit):
+    """A request the server did not serve (any answer but 200): the run stops, since a refusal that
+    came back fast would count as a fast answer."""
 
 
 class Server:
@@ -154,6 +162,8 @@ class Server:
         start = time.perf_counter()
         connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
+        if response.status != 200:  # a refusal is no figure: the run fails, saying why
+            raise RequestFailed(f"the server answered {response.status}: {response.read()[:500].decode(errors='replace')}")
         first, pieces, usage = None, [], {}
         for raw in response:
             line = raw.decode().strip()
@@ -286,7 +296,8 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small",
+                        help="small (CPU), or the Llama 3.2 1B or Llama 3.1 8B geometry, random weights in bf16")
     parser.add_argument("--workloads", default="chat,agent,overflow,restart,burst")
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
@@ -313,6 +324,8 @@ def main() -> None:
                         help="keep each kind's compiled MLX kernels in DIR/kvstate and DIR/stock, across runs "
                              "(default: empty folders for this run, so each kind compiles its own once)")
     args = parser.parse_args()
+    if args.architecture != "llama" and args.geometry not in HYBRID_GEOMETRIES:
+        parser.error(f"--architecture {args.architecture} has the geometries {sorted(HYBRID_GEOMETRIES)}")
 
     import mlx.core as mx
 
@@ -321,7 +334,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvstate-bench-serve-"))
     args.jit_cache = (args.jit_cache or work / "jit").resolve()
-    dtype = mx.bfloat16 if args.geometry == "1b" else mx.float32
+    dtype = mx.float32 if args.geometry == "small" else mx.bfloat16
     geometry = GEOMETRIES[args.geometry] if args.architecture == "llama" else HYBRID_GEOMETRIES[args.geometry]
     model_dir = save_model_dir(work / "model", args.architecture, seed=1, dtype=dtype, **geometry)
     if args.prefill_step_size is not None:
