@@ -318,6 +318,8 @@ def main() -> None:
                         help="both servers' prefill chunk (default: mlx-lm's)")
     parser.add_argument("--snapshot-every", type=int, default=None,
                         help="kvstate's chunk snapshots of a hybrid model (default: kvstate's)")
+    parser.add_argument("--kvstate-flags", default="",
+                        help="more flags for kvstate's server, as one string (e.g. \"--block-tokens 0\": whole prompts)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
     parser.add_argument("--jit-cache", type=Path, default=None,
@@ -341,6 +343,7 @@ def main() -> None:
         Server.both_flags = ["--prefill-step-size", str(args.prefill_step_size)]
     if args.snapshot_every is not None:
         Server.kvstate_flags = ["--snapshot-every", str(args.snapshot_every)]
+    Server.kvstate_flags += args.kvstate_flags.split()
     if args.overflow_ram_bytes is None:
         model, _ = build(args.architecture, vocab_size=512, dtype=dtype, **geometry)
         from kvstate.models.mlx_adapter import spec_from_model

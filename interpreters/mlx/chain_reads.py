@@ -1,12 +1,12 @@
 """A chain of blocks read straight into each layer's joined arrays: one read of every byte, no join.
 
 Reading a chain one block file at a time costs a load per file and then a join that copies every byte
-again, as mlx-lm's caches hold one array a layer (``bench/README.md``, "State in blocks"). Here the
-chain is handed to MLX's safetensors loader as one file whose tensors are the joined arrays
-(:class:`ChainFile`): MLX allocates each array once, and each block's span of it is read from that
-block's file into its place (one scattered read: a piece a row of the position axis) and hashed
-there, while still in cache, against the hash its file's header recorded. Blocks already in RAM are
-copied into their place. Reads and hashes of a tensor's blocks run on a few threads.
+again, as mlx-lm's caches hold one array a layer (``bench/README.md``, "State in blocks"). Here each
+joined array is allocated once, in host memory, and every block's span of it is read from that
+block's file straight into its place (one scattered read a tensor: a piece a row of the position
+axis) and hashed there, while still in cache, against the hash its file's header recorded. Blocks
+already in RAM are copied into their place. Blocks are read on a few threads, a block a task, so a
+task makes few Python calls for many bytes (the reads let go of the GIL).
 
 Every array of a block has its positions on axis -2 (:mod:`~kvstate.interpreters.mlx.blocks`), so the
 joined array of a tensor is its blocks' arrays side by side on that axis.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 from typing import Any, BinaryIO
@@ -89,93 +90,69 @@ def joined_table(parts: list[SavedPart | HeldPart]) -> dict[str, tuple[str, list
     return table
 
 
-class ChainFile(io.RawIOBase):
-    """The chain as MLX's safetensors loader reads a file: a header naming the joined tensors, then
-    each tensor's bytes, filled from the blocks when the loader reads it (it reads a tensor whole,
-    into the array's own memory). The first block that fails is kept in ``failure`` (the loader
-    only says that a read failed)."""
+def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[str, mx.array]:
+    """The joined arrays of the chain ``parts``, first position first, in host memory; each saved
+    block verified where it lies unless not ``verify``. :class:`PartRejected` names the first block
+    that could not be read or failed its hash (nothing is returned then)."""
+    table = joined_table(parts)
+    arrays = unfilled_arrays(table)
+    # Each array's bytes as rows of the position axis, written in place (the arrays are this read's alone).
+    rows = {}
+    for name, (dtype, shape) in table.items():
+        flat = np.asarray(mx.view(arrays[name], mx.uint8)) if arrays[name].size else np.empty(0, np.uint8)
+        rows[name] = flat.reshape(math.prod(shape[:-2]), shape[-2] * shape[-1] * DTYPE_BYTES[dtype])
+    starts = np.cumsum([0] + [part.positions for part in parts]).tolist()
+    held = {index: dict(zip(part.arrays, framing.bytes_of(list(part.arrays.values()))))
+            for index, part in enumerate(parts) if isinstance(part, HeldPart)}  # MLX work stays on this thread
 
-    def __init__(self, parts: list[SavedPart | HeldPart], verify: bool):
+    def fill(index: int) -> PartRejected | None:
+        part = parts[index]
+        for name, (dtype, shape) in table.items():
+            row = shape[-1] * DTYPE_BYTES[dtype]
+            start, width = starts[index] * row, part.positions * row
+            target = rows[name]
+            if isinstance(part, HeldPart):
+                target[:, start:start + width] = held[index][name].reshape(len(target), width)
+                continue
+            failure = _read_span(part, name, [target[k, start:start + width] for k in range(len(target))], verify)
+            if failure is not None:
+                return PartRejected(index, failure)
+        return None
+    failures = [f for f in framing.workers().map(fill, range(len(parts))) if f is not None]
+    if failures:
+        raise failures[0]  # the first block that failed, in chain order
+    return arrays
+
+
+class _Unfilled(io.RawIOBase):
+    """A safetensors file of ``table``'s tensors whose data reads fill nothing: loaded by MLX, arrays
+    allocated and never written (MLX has no allocation without a fill of its own, and a gigabyte's
+    fill costs a third of its read)."""
+
+    def __init__(self, table: dict[str, tuple[str, list[int]]]):
         super().__init__()
-        self.parts, self.verify = parts, verify
-        self.failure: PartRejected | None = None
-        self.table = joined_table(parts)
         layout, offset = {}, 0
-        for name, (dtype, shape) in self.table.items():
-            size = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
+        for name, (dtype, shape) in table.items():
+            size = math.prod(shape) * DTYPE_BYTES[dtype]
             layout[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             offset += size
         encoded = json.dumps(layout, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
         self._head = struct.pack("<Q", len(encoded)) + encoded
-        self._size = len(self._head) + offset
-        self._tensor_at = {len(self._head) + info["data_offsets"][0]: name for name, info in layout.items()}
-        self._starts = np.cumsum([0] + [part.positions for part in parts]).tolist()
-        # The bytes of blocks held in RAM, taken here on the caller's thread (MLX work stays off the workers).
-        self._held = {index: dict(zip(part.arrays, framing.bytes_of(list(part.arrays.values()))))
-                      for index, part in enumerate(parts) if isinstance(part, HeldPart)}
-        self._position = 0
+        self._size, self._position = len(self._head) + offset, 0
 
     def readinto(self, view) -> int:
         target = memoryview(view).cast("B")
-        if self._position < len(self._head):
+        if self._position < len(self._head):  # the header is read for real
             count = min(len(target), len(self._head) - self._position)
             target[:count] = self._head[self._position:self._position + count]
-            self._position += count
-            return count
-        name = self._tensor_at.get(self._position)
-        if name is None or len(target) != self._tensor_bytes(name):
-            self.failure = self.failure or PartRejected(0, RejectedFile(
-                FailureReason.IO_ERROR, f"the loader read {len(target)} bytes at {self._position}, not one tensor"))
-            raise OSError("a read of a chain that is not one whole tensor")
-        try:
-            self._fill(name, target)
-        except PartRejected as failure:
-            self.failure = self.failure or failure
-            raise OSError(str(failure)) from None
-        self._position += len(target)
-        return len(target)
-
-    def _tensor_bytes(self, name: str) -> int:
-        dtype, shape = self.table[name]
-        return int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
-
-    def _fill(self, name: str, target: memoryview) -> None:
-        """The joined tensor ``name``: each block's span read (or copied) into its place, on a few threads."""
-        dtype, shape = self.table[name]
-        row = shape[-1] * DTYPE_BYTES[dtype]
-        rows = np.frombuffer(target, dtype=np.uint8).reshape(int(np.prod(shape[:-2], dtype=np.int64)), shape[-2] * row)
-        groups = np.array_split(np.arange(len(self.parts)), min(framing.WORKER_COUNT, len(self.parts)))
-        # Consecutive blocks a thread; the map raises the first group's failure, if any.
-        list(framing.workers().map(lambda indices: [self._fill_part(int(i), name, rows, row) for i in indices],
-                                   groups))
-
-    def _fill_part(self, index: int, name: str, rows: np.ndarray, row: int) -> None:
-        part = self.parts[index]
-        start, width = self._starts[index] * row, part.positions * row
-        if isinstance(part, HeldPart):
-            rows[:, start:start + width] = self._held[index][name].reshape(len(rows), width)
-            return
-        pieces = [rows[k, start:start + width] for k in range(len(rows))]
-        want = width * len(rows)
-        try:
-            got = file_io.read_pieces(part.file, pieces, part.data_start + part.tensors[name]["data_offsets"][0])
-        except (OSError, ValueError) as error:
-            raise PartRejected(index, RejectedFile(FailureReason.IO_ERROR, f"{part.name}: {error}")) from None
-        if got != want:
-            raise PartRejected(index, RejectedFile(FailureReason.IO_ERROR, f"{part.name}: a read of {want} bytes "
-                                                                           f"got {got}"))
-        if self.verify:
-            hasher = content_hash.hasher()
-            for piece in pieces:
-                hasher.update(piece)
-            if hasher.hexdigest() != part.hashes.get(name):
-                raise PartRejected(index, RejectedFile(FailureReason.CORRUPT, f"{part.name}: tensor {name!r} "
-                                                                              f"fails its hash"))
+        else:
+            count = min(len(target), self._size - self._position)
+        self._position += count
+        return count
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self._size}[whence]
-        self._position = base + offset
+        self._position = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self._size}[whence] + offset
         return self._position
 
     def tell(self) -> int:
@@ -188,17 +165,29 @@ class ChainFile(io.RawIOBase):
         return True
 
 
-def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[str, mx.array]:
-    """The joined arrays of the chain ``parts``, first position first, in host memory; each saved
-    block verified where it lies unless not ``verify``. :class:`PartRejected` names the first block
-    that could not be read or failed its hash (nothing is returned then)."""
-    chain = ChainFile(parts, verify)
-    try:
-        arrays = mx.load(chain, format="safetensors", stream=mx.cpu)
-        mx.eval(list(arrays.values()))
-    except (RuntimeError, ValueError, OSError) as error:
-        if chain.failure is not None:
-            raise chain.failure from None
-        first = next((i for i, part in enumerate(parts) if isinstance(part, SavedPart)), 0)
-        raise PartRejected(first, RejectedFile(FailureReason.IO_ERROR, f"the chain's load failed: {error}")) from None
+def unfilled_arrays(table: dict[str, tuple[str, list[int]]]) -> dict[str, mx.array]:
+    """Evaluated arrays of ``table``'s dtypes and shapes in host memory, their bytes not yet written."""
+    if not table:
+        return {}
+    arrays = mx.load(_Unfilled(table), format="safetensors", stream=mx.cpu)
+    mx.eval(list(arrays.values()))
     return arrays
+
+
+def _read_span(part: SavedPart, name: str, pieces: list[np.ndarray], verify: bool) -> RejectedFile | None:
+    """Tensor ``name`` of the saved block ``part`` read into ``pieces`` (its rows in the joined array)
+    and checked against its recorded hash; why not, if it could not be."""
+    want = sum(len(piece) for piece in pieces)
+    try:
+        got = file_io.read_pieces(part.file, pieces, part.data_start + part.tensors[name]["data_offsets"][0])
+    except (OSError, ValueError) as error:
+        return RejectedFile(FailureReason.IO_ERROR, f"{part.name}: {error}")
+    if got != want:
+        return RejectedFile(FailureReason.IO_ERROR, f"{part.name}: a read of {want} bytes got {got}")
+    if verify:
+        hasher = content_hash.hasher()
+        for piece in pieces:
+            hasher.update(piece)
+        if hasher.hexdigest() != part.hashes.get(name):
+            return RejectedFile(FailureReason.CORRUPT, f"{part.name}: tensor {name!r} fails its hash")
+    return None
