@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from kvstate.interpreters.mlx.blocks import assemble, blockable, cut
+from kvstate.interpreters.mlx.blocks import assemble, blockable, cut, measured
 from kvstate.interpreters.mlx.caches import UnsupportedCache
 from kvstate.models.reference import build
 
@@ -75,3 +75,15 @@ def test_state_that_cannot_be_cut_back_is_refused_by_name_and_a_span_past_the_ca
     caches = prefilled(model, tuple(range(1, SIZE + 1)))
     with pytest.raises(ValueError, match="not within"):
         cut(caches, 0, SIZE + 1)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["kv", "quantized"])
+def test_a_block_measured_before_it_is_cut_holds_the_bytes_and_shapes_of_the_cut(quantized):
+    cache = QuantizedKVCache(group_size=32, bits=8) if quantized else KVCache()
+    keys = mx.random.normal((1, 2, 3 * SIZE + 5, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(keys, keys * 2)
+    for start, stop in ((0, SIZE), (3 * SIZE, 3 * SIZE + 5)):
+        cut_block, shapes = cut([cache], start, stop)[0], measured([cache], stop - start)[0]
+        assert set(shapes) == set(cut_block)
+        for name, array in cut_block.items():
+            assert (shapes[name].dtype, shapes[name].shape, shapes[name].nbytes) == (array.dtype, array.shape, array.nbytes)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvstate.interpreters.mlx.caches import UnsupportedCache, codec_of
+from kvstate.interpreters.mlx.caches import ArrayShape, UnsupportedCache, codec_of
 
 #: A block of one request's caches: for each layer, its span's arrays (empty for a layer not cut).
 Block = list[dict[str, mx.array]]
@@ -54,6 +54,12 @@ def cut(caches: list, start: int, stop: int, evaluate: bool = True) -> Block:
     if evaluate:
         mx.eval([array for layer in block for array in layer.values()])
     return block
+
+
+def measured(caches: list, positions: int) -> list[dict[str, ArrayShape]]:
+    """What a block of ``positions`` positions of ``caches`` would hold, as each array's dtype and
+    shape (empty for a layer not cut): its bytes, measured without cutting anything."""
+    return [codec_of(cache).span_shapes(cache, positions) if cuttable(cache) else {} for cache in caches]
 
 
 def snapshot_of(caches: list) -> Snapshot:

@@ -10,8 +10,10 @@ save it and build it back. Classes: ``KVCache``, ``RotatingKVCache``,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
@@ -25,6 +27,23 @@ class UnsupportedCache(InvalidRequest):
 def _slice(array: mx.array, n: int) -> mx.array:
     """The first ``n`` positions (axis 2) as a new array object."""
     return array[..., :n, :]
+
+
+@attrs.frozen
+class ArrayShape:
+    """An array's dtype and shape, without the array: what a block would hold, measured before it is cut."""
+
+    dtype: mx.Dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def along(cls, array: mx.array, positions: int) -> "ArrayShape":
+        """``array``'s dtype and shape with ``positions`` positions on axis -2."""
+        return cls(array.dtype, (*array.shape[:-2], positions, array.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.size
 
 
 def _nbytes(array: mx.array, n: int) -> int:
@@ -71,6 +90,10 @@ class KVCodec:
         # Copied out (``contiguous``): a bare slice is a view that keeps the whole cache's buffer alive.
         return {"keys": mx.contiguous(cache.keys[..., start:stop, :]),
                 "values": mx.contiguous(cache.values[..., start:stop, :])}
+
+    def span_shapes(self, cache: KVCache, positions: int) -> dict[str, ArrayShape]:
+        """The shapes of :meth:`span`'s arrays over ``positions`` positions (nothing cut: to measure)."""
+        return {"keys": ArrayShape.along(cache.keys, positions), "values": ArrayShape.along(cache.values, positions)}
 
     def joined(self, spans: list[dict[str, mx.array]], like: KVCache) -> KVCache:
         """A cache of the consecutive ``spans``, first position first, of ``like``'s kind."""
@@ -175,6 +198,11 @@ class QuantizedCodec:
         arrays = {f"keys.{i}": mx.contiguous(part[..., start:stop, :]) for i, part in enumerate(cache.keys)}
         arrays.update({f"values.{i}": mx.contiguous(part[..., start:stop, :]) for i, part in enumerate(cache.values)})
         return arrays
+
+    def span_shapes(self, cache: QuantizedKVCache, positions: int) -> dict[str, ArrayShape]:
+        shapes = {f"keys.{i}": ArrayShape.along(part, positions) for i, part in enumerate(cache.keys)}
+        shapes.update({f"values.{i}": ArrayShape.along(part, positions) for i, part in enumerate(cache.values)})
+        return shapes
 
     def joined(self, spans: list[dict[str, mx.array]], like: QuantizedKVCache) -> QuantizedKVCache:
         if not spans:

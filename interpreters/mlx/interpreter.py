@@ -138,16 +138,18 @@ class MlxInterpreter(HeldState):
     def block_bytes(self, handle: int, namespace: str, tokens: tuple[int, ...],
                     spans: tuple[tuple[int, int], ...]) -> BlockSizes | None:
         """Each block's bytes in RAM and on disk, where every layer of the staged caches can be cut
-        (plain or quantised KV); None otherwise. Measured on lazy spans: nothing is evaluated."""
+        (plain or quantised KV); None otherwise. Measured from the caches' shapes: nothing is cut."""
         caches = self._handles[handle]
         if not mlx_blocks.partly_blockable(caches) or not spans:
             return None
         block_tokens = spans[0][1] - spans[0][0]
         names = block_names(namespace, tokens, block_tokens) if self.store is not None else None
         classes = [type(cache).__name__ for cache in caches]
-        out = []
+        out, measured = [], {}
         for i, (start, stop) in enumerate(spans):
-            block = mlx_blocks.cut(caches, start, stop, evaluate=False)
+            block = measured.get(stop - start)  # blocks of one length hold arrays of the same shapes
+            if block is None:
+                block = measured[stop - start] = mlx_blocks.measured(caches, stop - start)
             nbytes = sum(a.nbytes for layer in block for a in layer.values())
             file_bytes = self.store.block_file_bytes(names[i], block, classes) if names is not None else 0
             out.append((nbytes, file_bytes))
