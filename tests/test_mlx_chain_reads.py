@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvstate.core.blocks import block_names
 from kvstate.effects.completions import FailureReason
-from kvstate.interpreters.mlx import file_io
+from kvstate.interpreters.mlx import chain_reads, file_io
 from kvstate.interpreters.mlx.blocks import assemble, assemble_joined, cut
 from kvstate.interpreters.mlx.chain_reads import PartRejected
 from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
@@ -60,7 +60,10 @@ def arrays_of(cache) -> list[mx.array]:
 @pytest.mark.parametrize("make", [kv_caches, quantized_caches], ids=["kv", "quantized"])
 @pytest.mark.parametrize("in_ram", [(), (0,), (0, 1), (2,)], ids=["all read", "first in RAM", "two in RAM", "third in RAM"])
 @pytest.mark.parametrize("tokens", [len(TOKENS), 3 * SIZE + 2, 2 * SIZE + 5])
-def test_a_chain_read_into_place_holds_what_a_join_of_its_blocks_does(tmp_path, make, in_ram, tokens):
+@pytest.mark.parametrize("task_bytes", [chain_reads.TASK_BYTES, 1], ids=["blocks a task", "a tensor a task"])
+def test_a_chain_read_into_place_holds_what_a_join_of_its_blocks_does(tmp_path, monkeypatch, make, in_ram, tokens,
+                                                                      task_bytes):
+    monkeypatch.setattr(chain_reads, "TASK_BYTES", task_bytes)
     caches = make()
     store, names, blocks = saved(tmp_path, caches)
     count = -(-tokens // SIZE)
@@ -85,7 +88,9 @@ def test_the_caches_read_share_nothing_with_the_blocks_held_in_ram(tmp_path):
     assert all(mx.array_equal(blocks[0][i][name], held[i][name]) for i in range(2) for name in held[i])
 
 
-def test_a_damaged_block_is_named_moved_aside_and_the_others_left_alone(tmp_path):
+@pytest.mark.parametrize("task_bytes", [chain_reads.TASK_BYTES, 1], ids=["blocks a task", "a tensor a task"])
+def test_a_damaged_block_is_named_moved_aside_and_the_others_left_alone(tmp_path, monkeypatch, task_bytes):
+    monkeypatch.setattr(chain_reads, "TASK_BYTES", task_bytes)
     store, names, _ = saved(tmp_path, kv_caches())
     path = store.block_path(names[1])
     data = bytearray(path.read_bytes())

@@ -5,8 +5,9 @@ again, as mlx-lm's caches hold one array a layer (``bench/README.md``, "State in
 joined array is allocated once, in host memory, and every block's span of it is read from that
 block's file straight into its place (one scattered read a tensor: a piece a row of the position
 axis) and hashed there, while still in cache, against the hash its file's header recorded. Blocks
-already in RAM are copied into their place. Blocks are read on a few threads, a block a task, so a
-task makes few Python calls for many bytes (the reads let go of the GIL).
+already in RAM are copied into their place. Blocks are read on a few threads, in tasks of a block's
+tensors of some megabytes: few Python calls for many bytes (the reads let go of the GIL), and
+threads evenly busy on a short chain.
 
 Every array of a block has its positions on axis -2 (:mod:`~kvstate.interpreters.mlx.blocks`), so the
 joined array of a tensor is its blocks' arrays side by side on that axis.
@@ -105,9 +106,11 @@ def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[s
     held = {index: dict(zip(part.arrays, framing.bytes_of(list(part.arrays.values()))))
             for index, part in enumerate(parts) if isinstance(part, HeldPart)}  # MLX work stays on this thread
 
-    def fill(index: int) -> PartRejected | None:
+    def fill(task: tuple[int, list[str]]) -> PartRejected | None:
+        index, names = task
         part = parts[index]
-        for name, (dtype, shape) in table.items():
+        for name in names:
+            dtype, shape = table[name]
             row = shape[-1] * DTYPE_BYTES[dtype]
             start, width = starts[index] * row, part.positions * row
             target = rows[name]
@@ -118,10 +121,32 @@ def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[s
             if failure is not None:
                 return PartRejected(index, failure)
         return None
-    failures = [f for f in framing.workers().map(fill, range(len(parts))) if f is not None]
+    failures = [f for f in framing.workers().map(fill, _tasks(parts, table)) if f is not None]
     if failures:
         raise failures[0]  # the first block that failed, in chain order
     return arrays
+
+
+#: About the bytes one task of a chain read reads: tasks of a block's tensors this size keep the
+#: threads evenly busy on a short chain, and few enough Python calls a byte on a long one.
+TASK_BYTES = 8 << 20
+
+
+def _tasks(parts: list[SavedPart | HeldPart], table: dict[str, tuple[str, list[int]]]) -> list[tuple[int, list[str]]]:
+    """The chain read's tasks, in chain order: each a block and some of its tensors, of about
+    ``TASK_BYTES`` together."""
+    tasks = []
+    for index, part in enumerate(parts):
+        names, size = [], 0
+        for name, (dtype, shape) in table.items():
+            names.append(name)
+            size += math.prod(shape[:-2]) * part.positions * shape[-1] * DTYPE_BYTES[dtype]
+            if size >= TASK_BYTES:
+                tasks.append((index, names))
+                names, size = [], 0
+        if names:
+            tasks.append((index, names))
+    return tasks
 
 
 class _Unfilled(io.RawIOBase):
