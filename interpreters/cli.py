@@ -9,7 +9,6 @@ from typing import Sequence
 import attrs
 
 from kvstate.core.policies import POLICIES
-from kvstate.interpreters import sizes
 from kvstate.interpreters.sizes import size_argument
 from kvstate.models.catalogue import CATALOGUE
 

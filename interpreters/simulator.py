@@ -12,7 +12,7 @@ so pinning and durability are exercised as with a real background writer.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import attrs
 
