@@ -9,6 +9,10 @@ from the model geometry. How charges add up depends on how requests run:
   grows its caches a step of tokens at a time, from wherever they end, so ``n``
   live requests hold up to ``n`` rows of the longest one's positions plus a step
   less one. A short request that joins a long one costs the long one's bytes.
+  Rows that start from reused prefixes are merged at the longest reuse and their
+  rest padded to the longest rest, so a row's positions are the longest reuse
+  plus the longest rest: each lease's reuse is estimated when it is admitted
+  (what RAM or disk holds for it then) and known once it is acquired.
 
 What the running caches were last measured holding (``BatchMeasured``) tops the
 projection up: if the caches hold more than the geometry projects (a cache kind
@@ -34,6 +38,15 @@ def _padded(tokens: int, step: int) -> int:
     return tokens + step - 1
 
 
+def expected_reuse(state: ServiceState, namespace: str, prompt: tuple[int, ...]) -> int:
+    """The prompt tokens a request in ``namespace`` would start from now: the longest prefix RAM or
+    disk holds for ``prompt`` (all but its last token at most, which the request computes)."""
+    held = state.ram.index.longest(namespace, prompt)[0]
+    if state.config.has_disk:
+        held = max(held, state.disk.index.longest(namespace, prompt)[0])
+    return max(0, min(held, len(prompt) - 1))
+
+
 def alone_bytes(config: ServiceConfig, tokens: int) -> int:
     """Bytes a request of ``tokens`` positions (prompt + max_tokens) is charged running alone (in a
     padded batch, with the step's slack)."""
@@ -46,35 +59,50 @@ def own_bytes(state: ServiceState, request: Request) -> int:
     return alone_bytes(state.config, wanted_tokens(request))
 
 
-def charge(state: ServiceState, requests: Iterable[Request]) -> int:
-    """The projected bytes of ``requests`` admitted together."""
+def charge(state: ServiceState, rows: Iterable[tuple[Request, int]]) -> int:
+    """The projected bytes of requests admitted together, each with the prompt tokens it starts from.
+
+    In a padded batch every row holds the longest reuse plus the longest part that follows one
+    (mlx-lm merges the rows' caches at the longest reuse, then prefills their rest padded to the
+    longest): rows that start from reused prefixes of different lengths hold more than the longest
+    row."""
     step = state.config.batch_padding_step
     if step is None:
-        return sum(own_bytes(state, request) for request in requests)
-    rows = longest = 0
-    for request in requests:
-        rows += 1
-        longest = max(longest, wanted_tokens(request))
-    return rows * state.config.model.bytes_for(_padded(longest, step)) if rows else 0
+        return sum(own_bytes(state, request) for request, _ in rows)
+    count = longest_reuse = longest_rest = 0
+    for request, reused in rows:
+        count += 1
+        longest_reuse = max(longest_reuse, reused)
+        longest_rest = max(longest_rest, wanted_tokens(request) - reused)
+    return count * state.config.model.bytes_for(_padded(longest_reuse + longest_rest, step)) if count else 0
 
 
-def admitted_requests(state: ServiceState) -> list[Request]:
-    return [lease.request for lease in state.leases.values() if lease.admitted]
+def admitted_rows(state: ServiceState) -> list[tuple[Request, int]]:
+    """The admitted requests, each with the prompt tokens it starts from."""
+    return [(lease.request, lease.reused) for lease in state.leases.values() if lease.admitted]
 
 
-def charge_with(state: ServiceState, request: Request, own: int | None = None) -> int:
-    """The projected bytes once ``request`` is admitted beside the admitted ones (``own``: its
-    :func:`own_bytes`, where the caller has it)."""
+def charge_with(state: ServiceState, request: Request, own: int | None = None, reused: int = 0) -> int:
+    """The projected bytes once ``request`` (starting from ``reused`` tokens) is admitted beside the
+    admitted ones (``own``: its :func:`own_bytes`, where the caller has it)."""
     if state.config.batch_padding_step is None:
         return state.projected_bytes + (own_bytes(state, request) if own is None else own)
-    return charge(state, [*admitted_requests(state), request])
+    return charge(state, [*admitted_rows(state), (request, reused)])
 
 
 def charge_without(state: ServiceState, released: Any, leases: Iterable) -> int:
     """The projected bytes once the admitted lease ``released`` is gone and ``leases`` remain."""
     if state.config.batch_padding_step is None:
         return state.projected_bytes - released.admitted_bytes
-    return charge(state, [lease.request for lease in leases if lease.admitted])
+    return charge(state, [(lease.request, lease.reused) for lease in leases if lease.admitted])
+
+
+def charge_now(state: ServiceState, leases: Iterable) -> int:
+    """The projected bytes of the admitted ``leases`` as they stand (a padded batch's charge moves
+    when an acquire finds what a row really reuses)."""
+    if state.config.batch_padding_step is None:
+        return state.projected_bytes
+    return charge(state, [(lease.request, lease.reused) for lease in leases if lease.admitted])
 
 
 def has_room(state: ServiceState, projected: int) -> bool:

@@ -20,10 +20,12 @@ class Event:
 
 @attrs.frozen
 class Admit(Event):
-    """Admit ``request`` under the KV budget as ``lease``."""
+    """Admit ``request`` under the KV budget as ``lease``; with its ``namespace``, charged as starting
+    from what that namespace holds for its prompt now (in a padded batch, reuse moves the charge)."""
 
     lease: int
     request: Request
+    namespace: str | None = None
 
 
 @attrs.frozen

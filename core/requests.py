@@ -36,7 +36,7 @@ def admit_lease(d: Draft, lease: Lease) -> Lease | None:
     check_budget(d, request, need)
     if lease.admitted:
         return lease
-    projected = admission.charge_with(d, request, need)
+    projected = admission.charge_with(d, request, need, lease.reused)
     if not admission.has_room(d, projected):
         return None
     d.projected_bytes = projected
@@ -45,7 +45,11 @@ def admit_lease(d: Draft, lease: Lease) -> Lease | None:
 
 def admit(state: ServiceState, e: ev.Admit):
     ensure_open(state, "admit")
-    lease = state.leases.get(e.lease) or Lease(request_check(e.request))
+    lease = state.leases.get(e.lease)
+    if lease is None:
+        lease = Lease(request_check(e.request))
+        if e.namespace is not None:
+            lease = lease.expecting(admission.expected_reuse(state, check_namespace(e.namespace), lease.request.prompt))
     d = Draft(state)
     admitted = admit_lease(d, lease)
     if admitted is None:

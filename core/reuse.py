@@ -48,7 +48,8 @@ def acquire(state: ServiceState, e: ev.Acquire) -> Step:
     key = resume_key(state, request, namespace)
     d = Draft(state)
     if not lease.admitted:
-        lease = _admitted_implicitly(d, lease, e.or_wait)
+        lease = _admitted_implicitly(d, lease.expecting(admission.expected_reuse(state, namespace, request.prompt)),
+                                     e.or_wait)
         if lease is None:
             return Step(state, (), Admission.WAIT)
     d.lease_set(e.lease, lease.acquiring_in(namespace, key))
@@ -250,7 +251,9 @@ class Served:
 def finish_acquire(d: Draft, lease_id: int, handle: int, served: Served) -> Acquired:
     """The lease holds its state now: counted as a hit or a miss (and a session hit or miss)."""
     lease = d.leases[lease_id]
-    d.lease_set(lease_id, lease.holding())
+    d.lease_set(lease_id, lease.holding(served.reused))
+    if lease.admitted and served.reused != lease.reused:  # a padded batch's charge goes by the real reuse
+        d.projected_bytes = admission.charge_now(d, d.leases.values())
     d.acquiring = without(d.acquiring, handle)
     if served.counted:
         d.count("hits" if served.reused > 0 else "misses")

@@ -292,28 +292,36 @@ class Lease:
     pending_handle: int | None = None
     #: The generation checkpoint key (namespace + identity + continuation key).
     checkpoint_key: str | None = None
+    #: The prompt tokens its caches start from: what it would reuse when admitted, what it reused
+    #: once acquired (a padded batch aligns its rows on the longest reuse).
+    reused: int = 0
 
     # The changes a lease goes through, each built directly (``attrs.evolve`` walks every field).
 
     def admitted_with(self, nbytes: int) -> "Lease":
         """Admitted, holding ``nbytes`` of the KV budget."""
         return Lease(self.request, nbytes, True, self.acquired, self.namespace, self.pending_handle,
-                     self.checkpoint_key)
+                     self.checkpoint_key, self.reused)
+
+    def expecting(self, reused: int) -> "Lease":
+        """Expected to start from ``reused`` tokens of its prompt."""
+        return Lease(self.request, self.admitted_bytes, self.admitted, self.acquired, self.namespace,
+                     self.pending_handle, self.checkpoint_key, reused)
 
     def acquiring_in(self, namespace: str, checkpoint_key: str | None) -> "Lease":
         """Its acquire looks in ``namespace`` (and resumes from ``checkpoint_key``, if any)."""
         return Lease(self.request, self.admitted_bytes, self.admitted, self.acquired, namespace,
-                     self.pending_handle, checkpoint_key)
+                     self.pending_handle, checkpoint_key, self.reused)
 
     def waiting_on(self, handle: int) -> "Lease":
         """Its acquire waits for the read into ``handle``."""
         return Lease(self.request, self.admitted_bytes, self.admitted, self.acquired, self.namespace, handle,
-                     self.checkpoint_key)
+                     self.checkpoint_key, self.reused)
 
-    def holding(self) -> "Lease":
-        """Its acquire is answered: it holds its state."""
+    def holding(self, reused: int) -> "Lease":
+        """Its acquire is answered: it holds its state, ``reused`` tokens of it kept state."""
         return Lease(self.request, self.admitted_bytes, self.admitted, True, self.namespace, None,
-                     self.checkpoint_key)
+                     self.checkpoint_key, reused)
 
 
 @attrs.frozen

@@ -183,14 +183,16 @@ class KvCacheService:
 
     # ------------------------------------------------------------ the port
 
-    def admit(self, request: Request) -> bool:
+    def admit(self, request: Request, namespace: str | None = None) -> bool:
         """Admit under the KV budget: True holds the request's projected bytes until release; False: wait.
+        With the ``namespace`` it will acquire in, a padded batch charges it as starting from what that
+        namespace holds for its prompt now.
 
         Raises :class:`~kvstate.ContextLimitExceeded` or :class:`~kvstate.OverBudget`
         for a request that can never be admitted.
         """
         with self._lock:
-            return self._run(ev.Admit(self._lease(request, create=True), request)) is Admission.ADMITTED
+            return self._run(ev.Admit(self._lease(request, create=True), request, namespace)) is Admission.ADMITTED
 
     def measure_batch(self, nbytes: int) -> None:
         """The running requests' caches hold ``nbytes`` now (a batch's real bytes, padding included):

@@ -136,3 +136,52 @@ def test_a_measure_that_is_not_bytes_is_refused_and_changes_nothing():
     with pytest.raises(Exception, match="bytes"):
         service.measure_batch(-1)
     assert service.state == before
+
+
+def _held(service, prompt, namespace="n"):
+    """Keep the state of ``prompt`` (computed from nothing) in ``namespace``."""
+    request = Request(prompt, 1)
+    state = service.acquire(request, namespace)
+    caches = service.interpreter.prefill(state.caches, tuple(prompt[state.reused_tokens:]))
+    service.publish(request, namespace, prompt, caches)
+    service.release(request)
+
+
+def test_rows_that_reuse_prefixes_of_different_lengths_are_charged_the_longest_reuse_plus_the_longest_rest():
+    """mlx-lm merges a batch's rows at the longest reuse and pads their rest to the longest rest: a row
+    that reuses 200 tokens beside one that reuses none makes both rows 200 + the longest rest long."""
+    positions = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1)
+    service = KvCacheService.simulated(SPEC, ram_bytes=positions * 1000, kv_budget_bytes=positions * 4000,
+                                       batch_padding_step=STEP)
+    _held(service, tuple(range(1, 201)))
+    reusing = Request(tuple(range(1, 221)), 10)   # 200 reused, 30 positions after
+    fresh = Request(tuple(range(500, 720)), 10)   # nothing reused, 230 positions
+    assert service.admit(reusing, "n") and service.admit(fresh, "n")
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200 + 230 + STEP - 1)
+    assert service.acquire(reusing, "n").reused_tokens == 200  # as expected: the charge stays
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200 + 230 + STEP - 1)
+    service.release(fresh)
+    assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200 + 30 + STEP - 1)
+
+
+def test_an_acquire_that_reuses_other_than_admission_expected_moves_the_charge():
+    """Admitted without its namespace (nothing expected), a row is charged from its real reuse once
+    its acquire finds it."""
+    positions = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1)
+    service = KvCacheService.simulated(SPEC, ram_bytes=positions * 1000, kv_budget_bytes=positions * 4000,
+                                       batch_padding_step=STEP)
+    _held(service, tuple(range(1, 201)))
+    reusing, fresh = Request(tuple(range(1, 221)), 10), Request(tuple(range(500, 720)), 10)
+    assert service.admit(reusing) and service.admit(fresh)
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 230 + STEP - 1)
+    service.acquire(reusing, "n")
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200 + 230 + STEP - 1)
+
+
+def test_a_namespace_that_holds_nothing_for_the_prompt_expects_no_reuse():
+    positions = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1)
+    service = KvCacheService.simulated(SPEC, ram_bytes=positions * 1000, kv_budget_bytes=positions * 4000,
+                                       batch_padding_step=STEP)
+    _held(service, tuple(range(1, 201)), namespace="other")
+    assert service.admit(Request(tuple(range(1, 221)), 10), "n")
+    assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 230 + STEP - 1)

@@ -122,13 +122,11 @@ def test_a_soak_of_eight_clients_holds_its_budgets_and_its_counters_add_up(soak)
         assert late <= early + 64 * MiB, f"resident memory grew from {early} to {late} bytes"
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: mlx-lm pads a batch's rows to the longest reused prefix plus "
-                   "the longest part left to prefill, more than the longest row the projection charges when rows "
-                   "reuse different lengths (seen: five rows of 317 tokens held 807 positions each, 295 reused "
-                   "plus a prefill grown by 512, against 580 projected: 2.07 MB against a 1.57 MB budget)")
 def test_under_a_soak_the_batch_and_kept_ram_stay_within_the_kv_budget(soak):
     """The README's promise for ``--kv-budget-bytes``: the running batch, as measured after every
-    step, and kept RAM together stay within the budget."""
+    step, and kept RAM together stay within the budget. Rows here reuse prefixes of different
+    lengths, which mlx-lm pads to the longest reuse plus the longest rest: the admission charge
+    counts that (before it did, about one soak in ten held 1.3x the budget)."""
     for count, metrics, _ in soak["samples"]:
         assert metrics["kvstate_held_peak_bytes"] <= BUDGET, (
             f"after {count} conversations: batch peak {metrics['kvstate_batch_peak_bytes']:.0f}, held peak "

@@ -156,7 +156,7 @@ class BatchAdmission:
         rqueue, request, args = arrival.item
         lease = Request(arrival.prompt, args.max_tokens)
         try:
-            admitted = self.service.admit(lease)
+            admitted = self.service.admit(lease, arrival.namespace)
         except KvStateError as error:  # can never run (the handler's check did not see it): say why
             rqueue.put(error)
             return REFUSED
