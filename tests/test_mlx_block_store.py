@@ -3,7 +3,8 @@ recompute (from RAM, from disk after a restart, across branches), each block is 
 written once to disk, and a bad or old-format block file is rejected, counted and never restored.
 
 Blocks of 16 tokens here, so prompts of a few dozen tokens make chains of several blocks and a
-partial last one; the reference llama model (random weights, float32).
+partial last one; the reference llama model (random weights, float32), and for state that cannot
+be cut, qwen3_next and gemma3_text (snapshots on blocks) and mamba (no layer to cut: kept whole).
 """
 
 from __future__ import annotations
@@ -197,6 +198,32 @@ def test_a_hybrid_model_reuses_up_to_the_last_chunk_snapshot_before_a_divergence
     snapshots = [e for e in service.state.entries.values() if e.is_snapshot]
     assert sorted(e.length for e in snapshots) == [chunk, 2 * chunk, 3 * chunk, 4 * chunk, 5 * chunk, len(prompt)]
     assert all(not e.trimmable for e in service.state.entries.values() if e.is_block)
+    edited = prompt[:3 * chunk + 9] + (250, 251, 252)  # diverges inside the fourth chunk
+    state, logits = prefill_in_chunks(service, model, edited, chunk)
+    assert state.source is Source.RAM and state.reused_tokens == 3 * chunk
+    assert_recomputed(model, edited, logits)
+    assert service.flush().durable
+    service.close()
+    again = service_for(model, config, tmp_path)
+    regenerate = prompt + (9,)
+    state, logits = turn(again, model, regenerate)
+    assert state.source is Source.DISK and state.reused_tokens == len(prompt)
+    assert_recomputed(model, regenerate, logits)
+    again.close()
+
+
+def test_a_model_with_no_layer_to_cut_keeps_whole_states_and_reuses_up_to_the_last_before_a_divergence(tmp_path):
+    """mamba's layers are all recurrent: with blocks configured, its states are kept whole, one at each
+    chunk end (none can be cut back), and an edit inside the prompt reuses up to the last one before
+    it, from RAM and after a restart from disk, and continues as a recompute."""
+    model, config = build("mamba", seed=6)
+    chunk = SIZE
+    service = service_for(model, config, tmp_path)
+    prompt = tuple(range(2, 2 + 5 * chunk + 7))
+    prefill_in_chunks(service, model, prompt, chunk)
+    kept = [e for e in service.state.entries.values()]
+    assert not any(e.is_block or e.is_snapshot for e in kept)
+    assert sorted(e.length for e in kept) == [chunk, 2 * chunk, 3 * chunk, 4 * chunk, 5 * chunk, len(prompt)]
     edited = prompt[:3 * chunk + 9] + (250, 251, 252)  # diverges inside the fourth chunk
     state, logits = prefill_in_chunks(service, model, edited, chunk)
     assert state.source is Source.RAM and state.reused_tokens == 3 * chunk
