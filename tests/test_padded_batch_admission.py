@@ -7,7 +7,9 @@ max_tokens positions, the whole batch allocated at most rows x (the longest row
 + a step less one). The service
 must admit exactly what fits the budget by that measure (topped up by a
 measured batch that holds more than projected), and so the batch never holds
-more than the budget.
+more than the budget. A second reference adds kept state: rows that reuse
+prefixes are merged at the longest reuse, so each row holds the longest reuse
+plus the longest rest.
 """
 
 from __future__ import annotations
@@ -185,3 +187,90 @@ def test_a_namespace_that_holds_nothing_for_the_prompt_expects_no_reuse():
     _held(service, tuple(range(1, 201)), namespace="other")
     assert service.admit(Request(tuple(range(1, 221)), 10), "n")
     assert service.report().projected_bytes == attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 230 + STEP - 1)
+
+
+#: Prompts of one family: a shared start of some length, then a tail of their own.
+BASE = tuple(range(1, 301))
+family_prompts = st.tuples(st.integers(1, 300), st.integers(0, 40), st.integers(0, 3)).map(
+    lambda parts: BASE[:parts[0]] + tuple(1000 + 50 * parts[2] + i for i in range(parts[1])))
+
+
+def _reusable(held: set, prompt: tuple[int, ...]) -> int:
+    """What kept state serves of ``prompt`` (every kept prompt's state cuts back to any prefix): its
+    longest common prefix with one, all but its last token at most."""
+    best = 0
+    for kept in held:
+        common = 0
+        for a, b in zip(kept, prompt):
+            if a != b:
+                break
+            common += 1
+        best = max(best, common)
+    return min(best, len(prompt) - 1)
+
+
+def reusing_batch_bytes(rows: list[tuple[int, int]], step: int = STEP) -> int:
+    """A padded batch of rows (each its prompt + max_tokens, and the tokens it reuses): mlx-lm merges
+    them at the longest reuse and pads the rest to the longest rest."""
+    if not rows:
+        return 0
+    positions = max(reused for _, reused in rows) + max(wanted - reused for wanted, reused in rows)
+    return len(rows) * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, positions - 1 + step)
+
+
+class ReusingPaddedBatchMachine(RuleBasedStateMachine):
+    """Admission of rows that reuse kept state, against a naive batch that charges the longest reuse
+    plus the longest rest: a row is charged what its namespace holds when it is admitted (nothing
+    without a namespace), then what it reuses once acquired."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budget = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 6 * 600)
+        self.service = KvCacheService.simulated(SPEC, ram_bytes=attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1 << 16),
+                                                kv_budget_bytes=self.budget, batch_padding_step=STEP)
+        self.held: set[tuple[int, ...]] = set()
+        self.live: list[list] = []   # [request, wanted, reused, acquired]
+
+    @precondition(lambda self: not self.live)  # its own acquire is a row too: kept between batches
+    @rule(prompt=family_prompts)
+    def keep(self, prompt):
+        request = Request(prompt, 1)
+        state = self.service.acquire(request, "n")
+        caches = self.service.interpreter.prefill(state.caches, tuple(prompt[state.reused_tokens:]))
+        self.service.publish(request, "n", prompt, caches)
+        self.service.release(request)
+        self.held.add(prompt)
+
+    @rule(prompt=family_prompts, max_tokens=st.integers(1, 100), with_namespace=st.booleans())
+    def admit(self, prompt, max_tokens, with_namespace):
+        request = Request(prompt, max_tokens)
+        reused = _reusable(self.held, prompt) if with_namespace else 0
+        row = (len(prompt) + max_tokens, reused)
+        fits = reusing_batch_bytes([(wanted, r) for _, wanted, r, _ in self.live] + [row]) <= self.budget
+        assert self.service.admit(request, "n" if with_namespace else None) == fits
+        if fits:
+            self.live.append([request, row[0], reused, False])
+
+    @precondition(lambda self: any(not acquired for *_, acquired in self.live))
+    @rule(which=st.integers(0, 50))
+    def acquire(self, which):
+        waiting = [row for row in self.live if not row[3]]
+        row = waiting[which % len(waiting)]
+        assert self.service.acquire(row[0], "n").reused_tokens == _reusable(self.held, row[0].prompt)
+        row[2], row[3] = _reusable(self.held, row[0].prompt), True
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 50))
+    def release(self, which):
+        request = self.live.pop(which % len(self.live))[0]
+        self.service.release(request)
+
+    @invariant()
+    def projection_is_the_reusing_padded_batch(self):
+        assert self.service.report().projected_bytes == reusing_batch_bytes(
+            [(wanted, reused) for _, wanted, reused, _ in self.live])
+
+
+def test_admission_of_rows_that_reuse_kept_state_matches_a_naive_reusing_batch():
+    run_state_machine_as_test(ReusingPaddedBatchMachine, settings=settings(
+        max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
