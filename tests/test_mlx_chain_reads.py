@@ -149,3 +149,19 @@ def test_a_short_read_is_never_taken_for_the_block(tmp_path, monkeypatch):
     with pytest.raises(PartRejected) as failure:
         store.read_chain(names)
     assert failure.value.rejected.reason is FailureReason.IO_ERROR and store.rejected == []
+
+
+@pytest.mark.parametrize("scattered", [True, False], ids=["preadv", "no preadv"])
+def test_a_scattered_read_fills_its_pieces_in_order_and_says_where_the_file_ended(tmp_path, monkeypatch, scattered):
+    import numpy as np
+    if not scattered:
+        monkeypatch.delattr(file_io.os, "preadv", raising=False)
+    path = tmp_path / "data"
+    path.write_bytes(bytes(range(200)))
+    pieces = [np.zeros(n, dtype=np.uint8) for n in (10, 0, 30, 5)]
+    with open(path, "rb") as file:
+        assert file_io.read_pieces(file, pieces, 50) == 45
+        assert b"".join(piece.tobytes() for piece in pieces) == bytes(range(50, 95))
+        past = [np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)]
+        assert file_io.read_pieces(file, past, 190) == 10  # the file ends inside the second piece
+        assert past[0].tobytes() == bytes(range(190, 198)) and past[1][:2].tobytes() == bytes((198, 199))

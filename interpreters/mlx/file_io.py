@@ -74,7 +74,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
     data = os.pread(fd, len(view), offset)
-    view[:len(data)] = data
+    memoryview(view).cast("B")[:len(data)] = data
     return len(data)
 
 
