@@ -186,6 +186,23 @@ def prefill_in_chunks(service, model, prompt, chunk, namespace="n"):
     return state, logits
 
 
+def edit_then_restart(service, model, config, directory, prompt, chunk):
+    """An edit inside the fourth chunk of ``prompt`` reuses the first three chunks from RAM; after a
+    restart a regenerate reuses all of ``prompt`` from disk; each continues as a recompute."""
+    edited = prompt[:3 * chunk + 9] + (250, 251, 252)  # diverges inside the fourth chunk
+    state, logits = prefill_in_chunks(service, model, edited, chunk)
+    assert state.source is Source.RAM and state.reused_tokens == 3 * chunk
+    assert_recomputed(model, edited, logits)
+    assert service.flush().durable
+    service.close()
+    again = service_for(model, config, directory)
+    regenerate = prompt + (9,)
+    state, logits = turn(again, model, regenerate)
+    assert state.source is Source.DISK and state.reused_tokens == len(prompt)
+    assert_recomputed(model, regenerate, logits)
+    again.close()
+
+
 def test_a_hybrid_model_reuses_up_to_the_last_chunk_snapshot_before_a_divergence(hybrid, tmp_path):
     """Layers that cannot be cut are kept as snapshots at chunk ends, on the blocks of the layers that
     can: an edit inside the prompt reuses everything up to the last snapshot before it, from RAM and,
@@ -198,18 +215,7 @@ def test_a_hybrid_model_reuses_up_to_the_last_chunk_snapshot_before_a_divergence
     snapshots = [e for e in service.state.entries.values() if e.is_snapshot]
     assert sorted(e.length for e in snapshots) == [chunk, 2 * chunk, 3 * chunk, 4 * chunk, 5 * chunk, len(prompt)]
     assert all(not e.trimmable for e in service.state.entries.values() if e.is_block)
-    edited = prompt[:3 * chunk + 9] + (250, 251, 252)  # diverges inside the fourth chunk
-    state, logits = prefill_in_chunks(service, model, edited, chunk)
-    assert state.source is Source.RAM and state.reused_tokens == 3 * chunk
-    assert_recomputed(model, edited, logits)
-    assert service.flush().durable
-    service.close()
-    again = service_for(model, config, tmp_path)
-    regenerate = prompt + (9,)
-    state, logits = turn(again, model, regenerate)
-    assert state.source is Source.DISK and state.reused_tokens == len(prompt)
-    assert_recomputed(model, regenerate, logits)
-    again.close()
+    edit_then_restart(service, model, config, tmp_path, prompt, chunk)
 
 
 def test_a_model_with_no_layer_to_cut_keeps_whole_states_and_reuses_up_to_the_last_before_a_divergence(tmp_path):
@@ -224,15 +230,4 @@ def test_a_model_with_no_layer_to_cut_keeps_whole_states_and_reuses_up_to_the_la
     kept = [e for e in service.state.entries.values()]
     assert not any(e.is_block or e.is_snapshot for e in kept)
     assert sorted(e.length for e in kept) == [chunk, 2 * chunk, 3 * chunk, 4 * chunk, 5 * chunk, len(prompt)]
-    edited = prompt[:3 * chunk + 9] + (250, 251, 252)  # diverges inside the fourth chunk
-    state, logits = prefill_in_chunks(service, model, edited, chunk)
-    assert state.source is Source.RAM and state.reused_tokens == 3 * chunk
-    assert_recomputed(model, edited, logits)
-    assert service.flush().durable
-    service.close()
-    again = service_for(model, config, tmp_path)
-    regenerate = prompt + (9,)
-    state, logits = turn(again, model, regenerate)
-    assert state.source is Source.DISK and state.reused_tokens == len(prompt)
-    assert_recomputed(model, regenerate, logits)
-    again.close()
+    edit_then_restart(service, model, config, tmp_path, prompt, chunk)
