@@ -77,9 +77,9 @@ def charge(state: ServiceState, rows: Iterable[tuple[Request, int]]) -> int:
     return count * state.config.model.bytes_for(_padded(longest_reuse + longest_rest, step)) if count else 0
 
 
-def admitted_rows(state: ServiceState) -> list[tuple[Request, int]]:
-    """The admitted requests, each with the prompt tokens it starts from."""
-    return [(lease.request, lease.reused) for lease in state.leases.values() if lease.admitted]
+def admitted_rows(leases: Iterable) -> list[tuple[Request, int]]:
+    """The admitted ones of ``leases``, each its request and the prompt tokens it starts from."""
+    return [(lease.request, lease.reused) for lease in leases if lease.admitted]
 
 
 def charge_with(state: ServiceState, request: Request, own: int | None = None, reused: int = 0) -> int:
@@ -87,14 +87,14 @@ def charge_with(state: ServiceState, request: Request, own: int | None = None, r
     admitted ones (``own``: its :func:`own_bytes`, where the caller has it)."""
     if state.config.batch_padding_step is None:
         return state.projected_bytes + (own_bytes(state, request) if own is None else own)
-    return charge(state, [*admitted_rows(state), (request, reused)])
+    return charge(state, [*admitted_rows(state.leases.values()), (request, reused)])
 
 
 def charge_without(state: ServiceState, released: Any, leases: Iterable) -> int:
     """The projected bytes once the admitted lease ``released`` is gone and ``leases`` remain."""
     if state.config.batch_padding_step is None:
         return state.projected_bytes - released.admitted_bytes
-    return charge(state, [(lease.request, lease.reused) for lease in leases if lease.admitted])
+    return charge(state, admitted_rows(leases))
 
 
 def charge_now(state: ServiceState, leases: Iterable) -> int:
@@ -102,7 +102,7 @@ def charge_now(state: ServiceState, leases: Iterable) -> int:
     when an acquire finds what a row really reuses)."""
     if state.config.batch_padding_step is None:
         return state.projected_bytes
-    return charge(state, [(lease.request, lease.reused) for lease in leases if lease.admitted])
+    return charge(state, admitted_rows(leases))
 
 
 def has_room(state: ServiceState, projected: int) -> bool:

@@ -133,6 +133,8 @@ class HeldState:
     def __init__(self) -> None:
         self._ram: dict[int, Any] = {}
         self._handles: dict[int, Any] = {}
+        #: RAM entries that are snapshots (the state of the layers blocks do not hold), not blocks.
+        self._snapshots: set[int] = set()
         self.observers: list[Callable[[tuple[int, ...], str], None]] = []
         self._performers: dict[type, Callable[[Any], list]] = {
             effect: getattr(self, method) for effect, method in PERFORMERS.items()}
@@ -159,7 +161,12 @@ class HeldState:
     def _drop_entry(self, e: fx.DropEntry) -> list:
         if self._ram.pop(e.entry, None) is None:
             raise InterpreterError(f"drop of entry {e.entry}, which holds nothing in RAM")
+        self._snapshots.discard(e.entry)
         return []
+
+    def _is_snapshot(self, part: fx.BlockPart) -> bool:
+        """Whether a part of an assembly is a snapshot (the last one of its chain, if any)."""
+        return part.entry in self._snapshots if part.saved is None else isinstance(part.saved, fx.SnapshotName)
 
     def _notify_kept(self, e: fx.NotifyKept) -> list:
         for observe in self.observers:

@@ -205,8 +205,6 @@ class SimulatorInterpreter(HeldState):
         self.now = 0.0
         super().__init__()
         self._pending: deque[tuple[fx.Effect, SimCaches]] = deque()
-        #: RAM entries that are snapshots (their content is every token of their chain).
-        self._snapshots: set[int] = set()
         #: The bytes a position takes in the layers blocks hold, and whether those are all the layers.
         self._cut_per_token: int | None = None
         self._all_cut = False
@@ -376,10 +374,6 @@ class SimulatorInterpreter(HeldState):
         if not read:
             return []
         return [done.RestoreDone(read[-1], e.handle, seconds, tuple(read))]
-
-    def _is_snapshot(self, part: fx.BlockPart) -> bool:
-        """Whether a part of an assembly is a snapshot (the last one of its chain, if any)."""
-        return part.entry in self._snapshots if part.saved is None else isinstance(part.saved, fx.SnapshotName)
 
     def _spill_entry(self, e: fx.SpillEntry) -> list:
         return self._write(e)

@@ -122,6 +122,20 @@ class SavedFile:
     block: BlockName | SnapshotName | None = None
 
 
+def _tensors_of(block: list[dict[str, Any]]) -> dict[str, Any]:
+    """A block's arrays as a file names its tensors: ``"layer.array"``."""
+    return {f"{i}.{array_name}": a for i, layer in enumerate(block) for array_name, a in layer.items()}
+
+
+def _block_of(tensors: dict[str, Any], layers: int) -> list[dict[str, Any]]:
+    """The block of ``layers`` layers whose tensors a file names ``"layer.array"``."""
+    block: list[dict[str, Any]] = [{} for _ in range(layers)]
+    for name, a in tensors.items():
+        layer, _, array_name = name.partition(".")
+        block[int(layer)][array_name] = a
+    return block
+
+
 def _touch(path: Path) -> None:
     """Mark a saved file used now (its modification time), so a scan at start and the root budget's
     reclaim, which delete the least recently used files first, see the read. Never an error: a file
@@ -252,7 +266,7 @@ class DiskStore:
 
     def _block_layout(self, name: BlockName, block: list[dict[str, mx.array]],
                       classes: list[str]) -> tuple[dict[str, str], dict[str, mx.array]]:
-        tensors = {f"{i}.{array_name}": a for i, layer in enumerate(block) for array_name, a in layer.items()}
+        tensors = _tensors_of(block)
         nbytes = sum(a.nbytes for a in tensors.values())
         metadata = {
             "kvstate.format": FORMAT_VERSION, "kvstate.identity": self.identity.encoded(), "kvstate.kind": "block",
@@ -536,12 +550,7 @@ class DiskStore:
         if self.to_device:
             move_to_device(arrays.values())
         if metadata["kvstate.kind"] == "block":  # a block is its layers' arrays: assembled by the caller
-            layers = len(json.loads(metadata["kvstate.layers"]))
-            block: list[dict[str, mx.array]] = [{} for _ in range(layers)]
-            for name, a in arrays.items():
-                layer, _, array_name = name.partition(".")
-                block[int(layer)][array_name] = a
-            return block
+            return _block_of(arrays, len(json.loads(metadata["kvstate.layers"])))
         caches = []
         for i, layer in enumerate(json.loads(metadata["kvstate.layers"])):
             prefix = f"{i}."
@@ -608,7 +617,7 @@ class DiskStore:
             opened: dict[int, tuple[Path, BinaryIO]] = {}
             for index, part in enumerate(chain):
                 if not isinstance(part, BlockName):
-                    arrays = {f"{i}.{array_name}": a for i, layer in enumerate(part) for array_name, a in layer.items()}
+                    arrays = _tensors_of(part)
                     positions = next(iter(arrays.values())).shape[-2] if arrays else 0
                     parts.append(HeldPart(arrays, positions))
                     layers = max(layers, len(part))
@@ -638,11 +647,7 @@ class DiskStore:
             _touch(path)
         if self.to_device:
             move_to_device(arrays.values())
-        joined: list[dict[str, mx.array]] = [{} for _ in range(layers)]
-        for name, a in arrays.items():
-            layer, _, array_name = name.partition(".")
-            joined[int(layer)][array_name] = a
-        return joined
+        return _block_of(arrays, layers)
 
     def read_snapshot(self, name: SnapshotName) -> list:
         """The caches of the snapshot ``name`` names (None for the layers blocks hold);

@@ -101,8 +101,6 @@ class MlxInterpreter(HeldState):
         self._clock = clock
         super().__init__()
         self._writer = _Writer() if background_writes and store is not None else None
-        #: RAM entries that are snapshots (the layers that cannot be cut), not blocks.
-        self._snapshots: set[int] = set()
 
     @property
     def now(self) -> float:
@@ -265,7 +263,7 @@ class MlxInterpreter(HeldState):
         chain, entries, snapshot = [], [], None
         saved = tuple(p.entry for p in e.blocks if p.saved is not None)
         for part in e.blocks:
-            if part.entry in self._snapshots if part.saved is None else isinstance(part.saved, fx.SnapshotName):
+            if self._is_snapshot(part):
                 snapshot = part
                 continue
             chain.append(self._ram[part.entry] if part.saved is None else part.saved)

@@ -39,7 +39,6 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.core.sharing import Computing
 from kvstate.core.tokens import Tokens
-from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.serving.model_names import requested_key
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
@@ -255,12 +254,9 @@ class BatchAdmission:
         return due
 
     def snapshot(self, uid: int, caches: Any, tokens: Any) -> None:
-        """Row ``uid``'s state over ``tokens``, mid-prefill, offered as a chunk snapshot where the
-        model's layers cannot all be cut (a model whose layers all can serves any prefix from its
-        blocks already)."""
+        """Row ``uid``'s state over ``tokens``, mid-prefill, offered as a chunk snapshot (the server
+        sets ``snapshot_every`` only for a model whose layers cannot all be cut)."""
         self._snapshotted[uid] = len(tokens)
-        if mlx_blocks.blockable(caches):
-            return
         self.publishing(uid, tokens)
         self.cache.insert_cache(self.cache.model_key, list(tokens), caches, cache_type="chunk")
 

@@ -35,6 +35,7 @@ from kvstate.core.replies import MaxTokensFit, ScanResult
 from kvstate.interpreters.serving.batch_admission import (
     CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
 )
+from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 from kvstate.interpreters.serving.model_names import NAME_MAPS, alias_served_model
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
@@ -357,7 +358,9 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         cache = served["cache"] = build_prompt_cache(model_provider, options)
         logging.info("kvstate: %s", scan_line(cache.service.scan_result))
         wait = options.shared_prefix_wait if options.shared_prefix_wait is not None else default_shared_prefix_wait()
-        admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=options.snapshot_every or None)
+        # Chunk snapshots are for models whose layers cannot all be cut: blocks serve any prefix of the others.
+        snapshot_every = None if mlx_blocks.blockable(cache.service.interpreter.fresh()) else options.snapshot_every
+        admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=snapshot_every or None)
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
