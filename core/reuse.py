@@ -25,7 +25,7 @@ from kvstate.core.replies import Acquired, Admission, ObjectFound, ObjectMissing
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
 from kvstate.core.requests import admit_lease
-from kvstate.core.tiers import read_error, reject, saved_name, touch, unpin
+from kvstate.core.tiers import read_error, reject, saved_name, touch, touch_all, unpin
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -145,9 +145,8 @@ def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
         else:
             parts.append(fx.BlockPart(block.id, saved_name(d, block)))
             _pin(d, block.id)
-    for block in reversed(chain):  # the last block first, as a RAM hit touches them
-        if block.residence in IN_RAM:
-            touch(d, block)
+    # The last block first, as a RAM hit touches them.
+    touch_all(d, [block for block in reversed(chain) if block.residence in IN_RAM])
     d.out.append(fx.AssembleBlocks(handle, length, tuple(parts)))
 
 
@@ -160,8 +159,7 @@ def _serve_from_ram(d: Draft, entry: Entry, length: int, handle: int) -> None:
         return
     chain = chain_of(d, entry, length)
     d.out.append(fx.AssembleBlocks(handle, length, tuple(fx.BlockPart(block.id) for block in chain)))
-    for block in reversed(chain):  # the last block first: a chain's start is its most recently used
-        touch(d, block)
+    touch_all(d, chain[::-1])  # the last block first: a chain's start is its most recently used
 
 
 def plan_acquire(d: Draft, lease_id: int, handle: int, from_disk: bool = True) -> Acquired | Pending:

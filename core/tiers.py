@@ -270,12 +270,26 @@ def insert_disk(d: Draft, entry: Entry) -> None:
 def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
     """``entry`` was used now: its stamp, and the policy of the tier that served it (a read of its file
     that worked also ends its run of I/O errors)."""
+    _stamp(d, entry, disk)
+    tier = d.disk if disk else d.ram
+    tier.policy = tier.strategy.accessed(tier.policy, entry.id)
+
+
+def touch_all(d: Draft, entries: list[Entry], disk: bool = False) -> None:
+    """Each of ``entries`` was used now, in that order (a chain's blocks, the last first): as
+    :func:`touch` of each, the tier's policy told in one call."""
+    for entry in entries:
+        _stamp(d, entry, disk)
+    tier = d.disk if disk else d.ram
+    tier.policy = tier.strategy.accessed_all(tier.policy, [entry.id for entry in entries])
+
+
+def _stamp(d: Draft, entry: Entry, disk: bool) -> None:
+    """``entry``'s last use is now (and a read of its file that worked ends its run of I/O errors)."""
     read_errors = 0 if disk else entry.read_errors
     if entry.last_used != d.now or entry.read_errors != read_errors:
         d.set_entry(entry.used(d.now, read_errors))
         _used(d, d.entries[entry.id])
-    tier = d.disk if disk else d.ram
-    tier.policy = tier.strategy.accessed(tier.policy, entry.id)
 
 
 def start_spill(d: Draft, entry: Entry, demote: bool = False, bounded: bool = True,
@@ -456,15 +470,15 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
     if (not d.config.partial_blocks and offer.snapshot is None and cuts
             and cuts[-1][1] - cuts[-1][0] < d.config.block_tokens):
         cuts = cuts[:-1]  # a snapshot needs the blocks up to its end: only plain KV drops its partial block
+    whole: set[int] | None = None
     for (start, stop), (nbytes, file_bytes) in zip(cuts, offer.blocks):
         path = data[:stop * WIDTH]
         key = block_key(parent, data[start * WIDTH:stop * WIDTH])
         found = d.blocks.get((offer.namespace, key))
         if found is None:  # a whole entry at this path (state kept whole before): the offer is kept whole too
-            indexed = d.ram.index.exact(offer.namespace, path)
-            if indexed is None and d.config.has_disk:
-                indexed = d.disk.index.exact(offer.namespace, path)
-            if indexed is not None and not d.entries[indexed].chained:
+            if whole is None:
+                whole = _whole_lengths(d, offer.namespace, data)
+            if stop in whole:
                 return None
         held = d.entries[found] if found is not None else None
         if (offer.snapshot is None and stop - start < d.config.block_tokens
@@ -474,6 +488,14 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
         links.append(_Link(start, stop, path, key, nbytes, file_bytes, held))
         parent = key
     return links
+
+
+def _whole_lengths(d: Draft, namespace: str, data: bytes) -> set[int]:
+    """The lengths of the prefixes of packed ``data`` that a whole entry holds (state kept whole
+    before), in either tier: one walk of each index, not a lookup a block."""
+    tiers = (d.ram, d.disk) if d.config.has_disk else (d.ram,)
+    return {length for tier in tiers for length, entry_id, _ in tier.index.prefixes_of(namespace, data)
+            if not d.entries[entry_id].chained}
 
 
 def _covering(d: Draft, namespace: str, path: bytes, start: int) -> Entry | None:
@@ -517,48 +539,46 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.out.append(fx.DropPublished(handle))
         return Kept(last.id, duplicate=True)
     need = sum(link.nbytes for link in missing) + (offer.snapshot[0] if snapshot_missing else 0)
-    for link in missing:
-        if link.held is None:
-            d.ram.policy = d.ram.strategy.arriving(d.ram.policy, content_tag(namespace, link.path))
+    tags = {link.start: content_tag(namespace, link.path) for link in missing if link.held is None}
+    for tag in tags.values():
+        d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)
     spare = frozenset(link.held.id for link in links if link.held is not None)
     if not make_ram_room(d, need, spare):
         reason = NotKeptReason.TOO_LARGE if need > d.ram.capacity else NotKeptReason.NO_ROOM
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
         return NotKept(reason)
-    config, parent, new, entering, used = d.config, None, [], set(), []
-    for link in links:  # first to last: each block's parent is made before it
+    config, parent, new, entering, held_ids = d.config, None, [], set(), []
+    for at, link in enumerate(links):  # first to last: each block's parent is made before it
         held = d.entries.get(link.held.id) if link.held is not None else None
-        if held is not None and held.residence in IN_RAM:
-            pass
-        elif held is not None:  # saved only: the published caches give its RAM copy back
+        if held is None:  # no tier holds this block, nor any after it
+            new = _new_blocks(d, offer, links[at:], tags, parent)
+            parent = new[-1]
+            break
+        if held.residence not in IN_RAM:  # saved only: the published caches give its RAM copy back
             held = attrs.evolve(held, residence=moved(held.residence, Move.ADOPT), last_used=d.now)
             d.set_entry(held)
             d.ram.bytes += held.nbytes
             d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
             entering.add(held.id)
-        else:
-            # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
-            held = Entry(d.new_entry_id(), namespace, link.path, link.nbytes, offer.snapshot is None, R.RAM, d.now,
-                         offer.session, offer.protected, content_tag(namespace, link.path),
-                         file_bytes=link.file_bytes, parent=parent, start=link.start, block=link.key)
-            add_entry(d, held)
-            d.ram.bytes += held.nbytes
-            d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
-            new.append(held.id)
-            entering.add(held.id)
-        used.append(held.id)
+        held_ids.append(held.id)
         parent = held.id
+    blocks_made = list(new)
     if offer.snapshot is not None:
         parent = _keep_snapshot(d, offer, d.entries.get(snapshot.id) if snapshot is not None else None, parent, new)
     # The policy and the idle order meet the chain last block first, so its start is its most recently
     # used: an LRU's oldest entries are then leaves, the only blocks it may take.
-    for entry_id in reversed(used):
+    _enter_ram([d.entries[entry_id] for entry_id in reversed(blocks_made)], d)
+    touched: list[Entry] = []
+    for entry_id in reversed(held_ids):
         entry = d.entries[entry_id]
         if entry_id in entering:
+            touch_all(d, touched)
+            touched = []
             insert_ram(d, entry)
         else:
-            touch(d, entry)
+            touched.append(entry)
+    touch_all(d, touched)
     d.out.append(fx.DropPublished(handle))
     if config.has_disk and config.write_behind and config.write_idle_after is None:
         for entry_id in new:
@@ -574,6 +594,43 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.out.append(fx.NotifyKept(fx.DiskKey(namespace, plain(offer.tokens))))
     d.count("kept")
     return Kept(last.id)
+
+
+def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int], parent: int | None) -> list[int]:
+    """Entries in RAM for ``links``, the blocks of ``offer``'s chain no tier holds (always its last), on
+    block ``parent``; their ids. Each is made with its final counts (all but the last extended by the
+    next, in RAM), the maps changed once and ``parent`` counted once: what :func:`add_entry` and
+    :func:`insert_ram` of each would leave, bar the index and the policy (:func:`_enter_ram`)."""
+    namespace, handle, last = offer.namespace, offer.handle, len(links) - 1
+    # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
+    trimmable = offer.snapshot is None
+    entries, blocks, ids, above = d.entries.mutate(), d.blocks.mutate(), [], parent
+    for at, link in enumerate(links):
+        entry_id, extended = d.new_entry_id(), int(at < last)
+        entries[entry_id] = Entry(entry_id, namespace, link.path, link.nbytes, trimmable, R.RAM, d.now, offer.session,
+                                  offer.protected, tags[link.start], link.file_bytes, parent=above, start=link.start,
+                                  block=link.key, children=extended, ram_children=extended)
+        blocks[namespace, link.key] = entry_id
+        d.ram.bytes += link.nbytes
+        d.out.append(fx.KeepBlock(handle, entry_id, link.start, link.stop))
+        ids.append(entry_id)
+        above = entry_id
+    d.entries, d.blocks = entries.finish(), blocks.finish()
+    if parent is not None:
+        count_child(d, d.entries[ids[0]], children=1, ram_children=1)
+    return ids
+
+
+def _enter_ram(run: list[Entry], d: Draft) -> None:
+    """The blocks ``run`` (made by :func:`_new_blocks`, the last first) enter RAM's index (only one no
+    RAM block extends is listed), its policy (in one call) and the idle order."""
+    ram = d.ram
+    for entry in run:
+        if listed(entry, True):
+            ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
+    ram.policy = ram.strategy.inserted_all(ram.policy, [(e.id, e.nbytes, e.length, e.tag) for e in run])
+    for entry in run:
+        _used(d, entry)
 
 
 def snapshot_worth_keeping(d: Draft, offer: Offer) -> bool:

@@ -38,6 +38,12 @@ class EvictionPolicy(Protocol):
     def accessed(self, state: Any, key: int) -> Any:
         """``key`` was used (a hit)."""
 
+    def inserted_all(self, state: Any, items: list[tuple[int, int, float, int]]) -> Any:
+        """Each ``(key, size, cost, tag)`` of ``items`` entered, in that order (a chain's new blocks)."""
+
+    def accessed_all(self, state: Any, keys: list[int]) -> Any:
+        """Each of ``keys`` was used, in that order (the blocks of a chain a hit assembles)."""
+
     def removed(self, state: Any, key: int) -> Any:
         """``key`` left by the core's own decision (demoted, rejected); forget it."""
 
@@ -49,6 +55,21 @@ class RemembersNothing:
     """For policies without memory of evicted content: an arriving miss changes nothing."""
 
     def arriving(self, state: Any, tag: int) -> Any:
+        return state
+
+
+class OneAtATime:
+    """For policies that take a run of keys as they take each one: ``inserted_all`` and
+    ``accessed_all`` are the single calls in order."""
+
+    def inserted_all(self, state: Any, items: list[tuple[int, int, float, int]]) -> Any:
+        for key, size, cost, tag in items:
+            state = self.inserted(state, key, size, cost, tag)  # type: ignore[attr-defined]
+        return state
+
+    def accessed_all(self, state: Any, keys: list[int]) -> Any:
+        for key in keys:
+            state = self.accessed(state, key)  # type: ignore[attr-defined]
         return state
 
 
@@ -96,6 +117,10 @@ class StampQueue:
 
     def push(self, key: int, stamp: int) -> "StampQueue":
         return StampQueue(self.slots.append((key, stamp)), self.head)
+
+    def pushed_all(self, slots: list[tuple[int, int]]) -> "StampQueue":
+        """The queue with ``(key, stamp)`` ``slots`` appended in order."""
+        return StampQueue(self.slots.extend(slots), self.head)
 
     def live(self, stamps: immutables.Map, start: int | None = None) -> Iterator[tuple[int, int, int]]:
         """``(index, key, stamp)`` of live slots from ``start`` (default the front), oldest first."""

@@ -16,7 +16,8 @@ from typing import Optional
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, next_stamp, worth_compacting
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, RemembersNothing, next_stamp, \
+    worth_compacting
 
 # A heap node: (rank, item, left, right), item = (priority, stamp, key).
 Heap = Optional[tuple]
@@ -66,7 +67,7 @@ class GdsfState:
     clock: int
 
 
-class GDSF(RemembersNothing):
+class GDSF(RemembersNothing, OneAtATime):
     """Evict the lowest ``L + uses * cost / size``."""
 
     name = "gdsf"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, StampQueue, next_stamp
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, RemembersNothing, StampQueue, \
+    next_stamp
 
 
 @attrs.frozen
@@ -19,7 +20,7 @@ class LfuState:
     clock: int
 
 
-class LFU(RemembersNothing):
+class LFU(RemembersNothing, OneAtATime):
     """Least frequently used first, ties by least recent use."""
 
     name = "lfu"

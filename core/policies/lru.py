@@ -35,6 +35,28 @@ class LRU(RemembersNothing):
             return state
         return self._queued(state, key)
 
+    def inserted_all(self, state: QueueState, items: list[tuple[int, int, float, int]]) -> QueueState:
+        return self._queued_all(state, [key for key, _, _, _ in items])
+
+    def accessed_all(self, state: QueueState, keys: list[int]) -> QueueState:
+        if not self.requeue_on_access:
+            return state
+        return self._queued_all(state, [key for key in keys if key in state.stamps])
+
+    @staticmethod
+    def _queued_all(state: QueueState, keys: list[int]) -> QueueState:
+        """Each of ``keys`` at the back of the queue in turn: one append of their slots, as
+        :meth:`_queued` of each would leave the queue's live slots."""
+        if not keys:
+            return state
+        clock, stamps, slots = state.clock, state.stamps.mutate(), []
+        for key in keys:
+            clock = next_stamp(clock)
+            stamps[key] = clock
+            slots.append((key, clock))
+        finished = stamps.finish()
+        return QueueState(state.queue.pushed_all(slots).compacted(finished), finished, clock)
+
     @staticmethod
     def _queued(state: QueueState, key: int) -> QueueState:
         """``key`` at the back of the queue."""
