@@ -114,6 +114,43 @@ def test_s3fifo_agrees_with_reference_when_the_small_queue_has_room(operations, 
     drive(policy("s3fifo"), operations, NaiveS3FIFO(capacity), capacity)
 
 
+runs = st.lists(st.tuples(st.sampled_from(["insert", "access"]), st.lists(st.integers(0, 40), max_size=6, unique=True)),
+                max_size=25)
+
+
+@pytest.mark.parametrize("name, reference", sorted(REFERENCES.items()))
+@settings(max_examples=150, deadline=None)
+@given(runs=runs)
+def test_a_run_of_keys_in_one_call_is_each_key_in_turn(name, reference, runs):
+    """``inserted_all`` and ``accessed_all`` (a chain's blocks, told in one call) leave the policy as
+    the naive reference told one key at a time: it then evicts in the same order."""
+    strategy, naive, held = policy(name), reference(), set()
+    state = strategy.empty(CAPACITY)
+    for kind, keys in runs:
+        if kind == "insert":
+            items = [(key, 1, float(key % 3 + 1), key % 7) for key in keys if key not in held]
+            for _, _, _, tag in items:
+                state = strategy.arriving(state, tag)
+                if hasattr(naive, "arriving"):
+                    naive.arriving(tag)
+            state = strategy.inserted_all(state, items)
+            for key, size, cost, tag in items:
+                naive.insert(key, size, cost, tag)
+                held.add(key)
+        else:
+            state = strategy.accessed_all(state, [key for key in keys if key in held])
+            for key in keys:
+                if key in held:
+                    naive.access(key)
+    while True:
+        state, victim = strategy.evict(state, lambda k: True)
+        assert victim == naive.evict(lambda k: True)
+        if victim is None:
+            break
+        held.remove(victim)
+    assert not held
+
+
 def test_policies_differ_where_they_should():
     """A scan-resistant order: LRU evicts the hot key after a scan, LFU keeps it."""
     operations = [("put", 1, 30), ("hit", 1, 0), ("hit", 1, 0), ("put", 2, 30), ("put", 3, 30), ("put", 4, 30)]
