@@ -63,6 +63,7 @@ class Draft:
     checkpoints: Any
     sessions: Any
     blocks: Any
+    pinned_until: Any
     idle: Any
     counters: Any
     next_entry: int

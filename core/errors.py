@@ -65,6 +65,18 @@ class CheckpointNotAllowed(UsageError):
     """``checkpoint`` for a request that is not a replayable generation, or without checkpoint storage."""
 
 
+class PinRefused(UsageError):
+    """A pin the service's bounds refuse (:mod:`~kvstate.core.pins`); nothing was pinned."""
+
+
+class PinTooLong(PinRefused):
+    """A pin for longer than ``max_pin_seconds``."""
+
+
+class PinOverBudget(PinRefused):
+    """A pin that would take pinned state past ``pin_share`` of the RAM capacity."""
+
+
 class ServiceClosed(UsageError):
     """A call after ``close()``; only ``report`` and ``close`` still answer."""
 

@@ -137,6 +137,24 @@ class Tick(Event):
 
 
 @attrs.frozen
+class Pin(Event):
+    """Hold the RAM state serving the longest held prefix of ``tokens`` in ``namespace`` out of every
+    rule's reach for ``seconds`` (None: until close); :mod:`~kvstate.core.pins`."""
+
+    namespace: str
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    seconds: float | None
+
+
+@attrs.frozen
+class PinFits(Event):
+    """Would a pin of ``nbytes`` of state for ``seconds`` be refused now? The reply is why (None: no)."""
+
+    nbytes: int
+    seconds: float | None
+
+
+@attrs.frozen
 class Prefetch(Event):
     """Start reading the saved prefix of ``prompt`` in ``namespace`` into RAM."""
 

@@ -15,6 +15,7 @@ from kvstate.core.checkpoints import found_at_scan
 from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
+from kvstate.core.pins import expire
 from kvstate.core.replies import FlushResult, HeldEntry, RamHeld, ScanResult
 from kvstate.core.requests import decide_publish
 from kvstate.core.report import report
@@ -190,6 +191,7 @@ def tick(state: ServiceState, e: ev.Tick) -> Step:
         raise InvalidRequest(f"tick needs a number of seconds, got {e.now!r}")
     d = Draft(state)
     clock_tick(d, e.now)
+    expire(d)
     return d.step(None)
 
 

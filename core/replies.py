@@ -110,6 +110,16 @@ class MaxTokensFit:
 
 
 @attrs.frozen
+class Pinned:
+    """What a pin holds: the tokens of the prefix pinned (0: RAM held none of it), the bytes of the RAM
+    entries serving it, and when the pin runs out on the service's clock (inf: at close)."""
+
+    tokens: int
+    nbytes: int
+    until: float
+
+
+@attrs.frozen
 class HeldEntry:
     """One prefix RAM holds: its namespace, the tokens it covers, its bytes."""
 

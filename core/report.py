@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvstate.core.pins import pinned_bytes
 from kvstate.core.state import IN_RAM, ON_DISK, ServiceState
 
 
@@ -77,6 +78,12 @@ class Report:
     checkpoint_bytes: int
     checkpoints_written: int
     resumes: int
+    #: Prefixes pinned, pins asked of a prefix RAM did not hold, and the RAM entries pinned now and
+    #: their bytes (:mod:`~kvstate.core.pins`).
+    pins: int
+    pins_missed: int
+    pinned_entries: int
+    pinned_bytes: int
     #: Live requests, the projected bytes of the admitted ones against the budget, and what their
     #: caches were last measured holding (0 where nothing measures them).
     live_requests: int
@@ -96,6 +103,7 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         if entry.residence in ON_DISK:
             saved += 1
             saved_bytes += entry.file_bytes
+    pinned_entries, pinned = pinned_bytes(state)
     return Report(
         entries=in_ram, bytes=ram_bytes, capacity_bytes=config.ram_capacity_bytes,
         hits=c.hits, misses=c.misses, session_hits=c.session_hits, session_misses=c.session_misses,
@@ -115,6 +123,7 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,
         checkpoints=len(state.checkpoints), checkpoint_bytes=sum(r.file_bytes for r in state.checkpoints.values()),
         checkpoints_written=c.checkpoints_written, resumes=c.resumes,
+        pins=c.pins, pins_missed=c.pins_missed, pinned_entries=pinned_entries, pinned_bytes=pinned,
         live_requests=len(state.leases), projected_bytes=state.projected_bytes,
         measured_bytes=state.measured_bytes, budget_bytes=config.kv_budget_bytes)
 

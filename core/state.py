@@ -151,6 +151,10 @@ class ServiceConfig:
     #: Whether the tokens past a prefix's last full block are kept, as a partial block (a longer
     #: chain's full block supersedes it), or dropped, to be recomputed by the next request.
     partial_blocks: bool = True
+    #: The share of ``ram_capacity_bytes`` pinned state may hold (:mod:`~kvstate.core.pins`), and the
+    #: longest a request may pin its prefix for (warm prompts, pinned by the operator, have no end).
+    pin_share: float = 0.5
+    max_pin_seconds: float = 3600.0
     #: Whether a rule acts on entries gone idle (demotion, or idle writes), so the state keeps entries
     #: in order of last use (:mod:`~kvstate.core.idle`); worked out once, since every use asks.
     idle_rules: bool = attrs.field(init=False, eq=False, repr=False)
@@ -190,6 +194,12 @@ class ServiceConfig:
         if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or isinstance(
                 self.block_tokens, bool) or self.block_tokens < 1):
             raise InvalidConfig(f"block_tokens must be a positive int of tokens or None, got {self.block_tokens!r}")
+        if isinstance(self.pin_share, bool) or not isinstance(self.pin_share, (int, float)) or not (
+                0 <= self.pin_share <= 1):
+            raise InvalidConfig(f"pin_share must be a share of the RAM capacity from 0 to 1, got {self.pin_share!r}")
+        if isinstance(self.max_pin_seconds, bool) or not isinstance(self.max_pin_seconds, (int, float)) or not (
+                0 <= self.max_pin_seconds < float("inf")):
+            raise InvalidConfig(f"max_pin_seconds must be finite seconds, 0 or more, got {self.max_pin_seconds!r}")
         object.__setattr__(self, "idle_rules", self.has_disk and (
             self.demote_idle_after is not None or (self.write_behind and self.write_idle_after is not None)))
 
@@ -377,6 +387,9 @@ class Counters(NamedTuple):
     #: Chunk snapshots not kept: they would hold more bytes than the attention state of the tokens they
     #: save over the snapshot before them (:func:`~kvstate.core.tiers.snapshot_worth_keeping`).
     snapshots_passed_up: int = 0
+    #: Prefixes pinned (:mod:`~kvstate.core.pins`), and pins asked of a prefix RAM did not hold.
+    pins: int = 0
+    pins_missed: int = 0
 
     def plus(self, counts: dict[str, int]) -> "Counters":
         """These counters with ``counts`` (name -> increment) added."""
@@ -461,6 +474,7 @@ class ServiceState:
     checkpoints: immutables.Map = EMPTY     # checkpoint key -> CheckpointRecord
     sessions: immutables.Map = EMPTY        # session id -> (namespace, packed ids) it last kept
     blocks: immutables.Map = EMPTY          # (namespace, chain key) -> block entry id
+    pinned_until: immutables.Map = EMPTY    # entry id -> when its pin runs out (inf: never), :mod:`pins`
     idle: IdleOrder = IdleOrder()           # entries in order of last use, where idle_rules
     counters: Counters = Counters()
     next_entry: int = 1

@@ -45,6 +45,13 @@ def victim(tier: TierDraft, entries, evictable: Evictable, protect: bool) -> tup
     return tier.policy, None
 
 
+def pinned(d: Draft | ServiceState, entry_id: int) -> bool:
+    """Whether ``entry_id``'s RAM copy is pinned now (:mod:`~kvstate.core.pins`): no rule takes it from
+    RAM (eviction, pressure, idle demotion, a longer prefix that serves it) until its pin runs out."""
+    until = d.pinned_until.get(entry_id)
+    return until is not None and until > d.now
+
+
 def in_ram_evictable(entry: Entry) -> bool:
     """Whether ``entry``'s RAM copy may be dropped now: no block RAM holds extends it, and, where it has
     no saved copy, no held block at all (leaf first: a block never goes before what extends it)."""
@@ -67,7 +74,8 @@ def ram_prefixes(state) -> int:
 def make_ram_room(d: Draft, need: int, spare: frozenset = frozenset()) -> bool:
     """Evict until ``need`` more bytes fit in RAM (never the entries in ``spare``: the blocks a keep
     builds on); False, with nothing changed, when pinned entries forbid."""
-    evictable = in_ram_evictable if not spare else lambda entry: entry.id not in spare and in_ram_evictable(entry)
+    def evictable(entry: Entry) -> bool:
+        return in_ram_evictable(entry) and entry.id not in spare and not pinned(d, entry.id)
     return _make_room(d, d.ram, need, evictable, True, drop_ram, "evictions")
 
 
@@ -139,8 +147,10 @@ def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residenc
 
 
 def _delete(d: Draft, entry: Entry) -> None:
-    """``entry`` is gone from the state (and, a block, from the blocks by key)."""
+    """``entry`` is gone from the state (and, a block, from the blocks by key; and its pin)."""
     d.entries = d.entries.delete(entry.id)
+    if entry.id in d.pinned_until:
+        d.pinned_until = d.pinned_until.delete(entry.id)
     if entry.is_block:
         d.blocks = d.blocks.delete((entry.namespace, entry.block))
 
@@ -692,7 +702,7 @@ def _drop_served_prefixes(d: Draft, longer: Entry) -> None:
     copies go (a saved copy stays). Pinned and protected entries stay."""
     for _, entry_id, trimmable in d.ram.index.prefixes_of(longer.namespace, longer.packed):
         entry = d.entries[entry_id]
-        if entry.children:
+        if entry.children or pinned(d, entry_id):
             continue  # a block the chain builds on (the partial last blocks a chain supersedes extend nothing)
         if trimmable and entry.residence in (R.RAM, R.BOTH) and not entry.protected:
             drop_ram(d, entry)
@@ -719,7 +729,8 @@ def spill_done(d: Draft, e: done.SpillDone) -> object:
     insert_disk(d, written)
     d.count("spills")
     d.count("bytes_written", written.file_bytes)
-    if entry.demote and not written.ram_children:  # a block RAM came to extend meanwhile keeps its RAM copy
+    # A block RAM came to extend meanwhile keeps its RAM copy, and so does an entry pinned meanwhile.
+    if entry.demote and not written.ram_children and not pinned(d, entry.id):
         drop_ram(d, written)
         d.count("demotions")
     return None
@@ -779,7 +790,7 @@ def boundary(d: Draft, pressure: bool) -> object:
         return GaveBack(0, 0, waited=True)
     # The policy names the victim; its own bookkeeping follows the entry's fate in give_back
     # (an entry that starts spilling stays known to the policy, pinned until its write settles).
-    _, chosen = victim(d.ram, d.entries, can_give_back, protect=True)
+    _, chosen = victim(d.ram, d.entries, lambda entry: can_give_back(entry) and not pinned(d, entry.id), protect=True)
     if chosen is None:
         if d.writes.count:  # what is left is being written: its RAM goes once the writes land
             d.out.append(fx.Sync(pressure=True))
@@ -810,6 +821,8 @@ def tick(d: Draft, now: float) -> None:
     after = config.demote_idle_after
     if after is not None:
         for entry in d.idle.idle(lambda: d.entries, d.now - after):
+            if pinned(d, entry.id):
+                continue  # demoted at the first tick after its pin runs out
             if entry.residence is R.SPILLING:
                 if not entry.demote:
                     d.set_entry(attrs.evolve(entry, demote=True))
@@ -826,7 +839,7 @@ def _give_back_idle_parents(d: Draft, entry: Entry, idle_since: float) -> None:
     by nothing in RAM go as well (leaf first, within one tick)."""
     while entry.parent is not None:
         entry = d.entries.get(entry.parent)
-        if entry is None or entry.last_used > idle_since or entry.ram_children:
+        if entry is None or entry.last_used > idle_since or entry.ram_children or pinned(d, entry.id):
             return
         if entry.residence is R.SPILLING:  # being written (as the parent of a block written after it)
             if not entry.demote:

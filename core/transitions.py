@@ -11,6 +11,7 @@ each event to the handler of its concern:
 - :mod:`~kvstate.core.checkpoints`: generation checkpoints written and resumed;
 - :mod:`~kvstate.core.objects`: exact-key tensor objects;
 - :mod:`~kvstate.core.pace`: whether reading saved state back beats prefilling it;
+- :mod:`~kvstate.core.pins`: prefixes held in RAM out of every rule's reach, until a time;
 - :mod:`~kvstate.core.lifecycle`: the scan at start, flush, close, the clock, the report.
 
 A handler reads the immutable state and an event, builds the next state once
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, requests, reuse, sharing, tiers
+from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, pins, requests, reuse, sharing, tiers
 from kvstate.core.admission import own_bytes
 from kvstate.core.checks import ensure_open, keeps
 from kvstate.core.checkpoints import checkpoint_key, checkpoint_meta
@@ -77,6 +78,8 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Checkpoint: checkpoints.checkpoint,
     ev.PlanCheckpoint: checkpoints.plan_checkpoint,
     ev.Prefetch: _prefetch,
+    ev.Pin: pins.pin,
+    ev.PinFits: pins.pin_fits,
     ev.ObjectGet: objects.object_get,
     ev.ObjectPut: objects.object_put,
     ev.Boundary: lifecycle.boundary,

@@ -21,7 +21,7 @@ from kvstate.core import events as ev
 from kvstate.core.blocks import spans
 from kvstate.core.errors import UnknownRequest
 from kvstate.core.replies import (
-    Admission, FlushResult, Kept, MaxTokensFit, ObjectFound, RamHeld, ScanResult, Source,
+    Admission, FlushResult, Kept, MaxTokensFit, ObjectFound, Pinned, RamHeld, ScanResult, Source,
 )
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
@@ -363,6 +363,20 @@ class KvCacheService:
     def prefetch(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> bool:
         """Start reading the saved prefix of ``prompt`` into RAM; True if a read started."""
         return self._run(ev.Prefetch(as_tokens(prompt), namespace))
+
+    def pin(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE, seconds: float | None = None) -> Pinned:
+        """Hold the RAM state serving the longest prefix of ``prompt`` held now out of every rule's reach
+        (eviction, pressure, idle demotion) for ``seconds`` on the service's clock, read first from the
+        interpreter's own (None: until close). :class:`~kvstate.core.errors.PinTooLong` or
+        :class:`~kvstate.core.errors.PinOverBudget` where the config's bounds refuse it (nothing pinned);
+        the reply says what was pinned (0 tokens: RAM held none of it)."""
+        self.tick()
+        return self._run(ev.Pin(namespace, as_tokens(prompt), seconds))
+
+    def pin_refusal(self, nbytes: int, seconds: float | None = None) -> str | None:
+        """Why a pin of ``nbytes`` of state for ``seconds`` would be refused now, or None: a server asks
+        before it serves a request that wants its prefix pinned."""
+        return self._run(ev.PinFits(nbytes, seconds))
 
     def peek_prefix_len(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> int:
         """Prompt tokens RAM could serve now; takes nothing."""

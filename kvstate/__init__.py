@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 from kvstate.core.errors import (
     CheckpointNotAllowed, ContextLimitExceeded, InvalidNamespace, InvalidRequest, KvStateError, NotAdmitted, OverBudget,
-    RequestAlreadyAcquired, RequestKeepsNoState, ServiceClosed, StorageError, TokensDoNotMatchCaches,
+    PinOverBudget, PinRefused, PinTooLong, RequestAlreadyAcquired, RequestKeepsNoState, ServiceClosed, StorageError, TokensDoNotMatchCaches,
     UnknownRequest, UsageError,
 )
 from kvstate.core import retention
@@ -33,7 +33,7 @@ __all__ = [
     "Source", "POLICIES",
     "KvStateError", "UsageError", "StorageError", "InvalidRequest", "InvalidNamespace", "InvalidConfig",
     "ContextLimitExceeded", "OverBudget", "NotAdmitted", "UnknownRequest", "RequestAlreadyAcquired", "RequestKeepsNoState",
-    "TokensDoNotMatchCaches", "CheckpointNotAllowed", "ServiceClosed", "UnknownPolicy", "UnknownModel",
+    "TokensDoNotMatchCaches", "CheckpointNotAllowed", "PinRefused", "PinTooLong", "PinOverBudget", "ServiceClosed", "UnknownPolicy", "UnknownModel",
     "CostModel", "FaultPlan", "SimCaches", "SimDisk", "SimulatedCrash",
     "CATALOGUE", "KvScheme", "LayerKind", "LayerSpec", "ModelSpec", "model_spec", "__version__",
 ]

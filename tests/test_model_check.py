@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 )
 
 from kvstate import (
-    ContextLimitExceeded, KvCacheService, LayerKind, LayerSpec, ModelSpec, OverBudget, POLICIES, Request,
+    ContextLimitExceeded, KvCacheService, LayerKind, LayerSpec, ModelSpec, OverBudget, PinOverBudget, POLICIES, Request,
     RequestKeepsNoState, SimObject,
 )
 from kvstate.core.blocks import block_names
@@ -55,6 +55,8 @@ def reference_bytes(spec: ModelSpec, tokens: int) -> int:
 BUDGET = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200)
 RAM = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 80)
 DISK = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200)
+#: A token no prompt holds: a pin or a peek of ``prompt + (SENTINEL,)`` may cover every token of ``prompt``.
+SENTINEL = 9
 #: Seconds unused after which the tiered machine's clock rule (idle demotion or idle writes) acts.
 IDLE = 5.0
 PROFILE = os.environ.get("KVSTATE_CHECK_PROFILE", "ci")
@@ -362,6 +364,8 @@ class TieredServiceMachine(BaseMachine):
         self.disk = SimDisk()
         self.faults = FaultPlan()
         self.sessions: dict = {}
+        #: ``(namespace, prompt, tokens pinned, until)`` of every pin made (until on the simulator's clock).
+        self.pins: list[tuple[str, tuple, int, float]] = []
 
     @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans(),
                 header=st.sampled_from([0, 64, 700]), per_token=st.sampled_from([0, 8]),
@@ -431,6 +435,48 @@ class TieredServiceMachine(BaseMachine):
     def after_pressure(self, limit):
         pass
 
+    def live_pins(self):
+        """``(namespace, prompt, tokens)`` of the pins that have not run out."""
+        now = self.service.interpreter.now
+        return [(ns, prompt, length) for ns, prompt, length, until in self.pins if until > now]
+
+    def serves_a_pin(self, entry):
+        """Whether ``entry`` lies on the path of a live pin's prefix (so it may be held by it)."""
+        for ns, prompt, length in self.live_pins():
+            shared = min(len(entry.tokens), length)
+            if entry.namespace == ns and entry.start <= length and entry.tokens[:shared] == prompt[:shared]:
+                return True
+        return False
+
+    @precondition(lambda self: self.published)
+    @rule(data=st.data(), cut=st.integers(0, 12), seconds=st.one_of(st.none(), st.floats(1.0, 3 * IDLE)))
+    def pin_a_published_prefix(self, data, cut, seconds):
+        namespace, tokens = data.draw(st.sampled_from(sorted(self.published)))
+        self.pin_a_prefix(tokens[:max(1, len(tokens) - cut)], namespace, seconds)
+
+    @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]),
+          seconds=st.one_of(st.none(), st.floats(1.0, 3 * IDLE)))
+    def pin_a_prefix(self, prompt, namespace, seconds):
+        self.service.tick()
+        held = longest_usable(self.held_listing(disk=False), namespace, prompt + (SENTINEL,))
+        before = self.service.state
+        try:
+            pinned = self.service.pin(prompt, namespace, seconds)
+        except PinOverBudget:
+            after = self.service.state
+            assert after.pinned_until == before.pinned_until and after.entries == before.entries
+            return
+        assert pinned.tokens == held  # RAM's longest prefix of it, every token of it where RAM holds that
+        if pinned.tokens:
+            until = float("inf") if seconds is None else self.service.interpreter.now + seconds
+            self.pins.append((namespace, prompt, pinned.tokens, until))
+
+    @invariant()
+    def a_pinned_prefix_stays_in_ram_and_pins_hold_at_most_their_share(self):
+        for namespace, prompt, length in self.live_pins():
+            assert self.service.peek_prefix_len(prompt + (SENTINEL,), namespace) >= length
+        assert self.service.report().pinned_bytes <= self.service.config.pin_share * RAM
+
     @rule(count=st.integers(1, 4))
     def writes_complete(self, count):
         self.service.complete(self.service.interpreter.poll(count))
@@ -468,7 +514,7 @@ class TieredServiceMachine(BaseMachine):
         # The clock's rule, checked by a scan of every entry: none idle past it is left undone.
         state = self.service.state
         for entry in state.entries.values():
-            if entry.last_used > state.now - IDLE:
+            if entry.last_used > state.now - IDLE or self.serves_a_pin(entry):  # pinned: no rule takes it
                 continue
             if entry.ram_children:  # a block goes after the blocks RAM holds that extend it (leaf first)
                 continue
@@ -502,6 +548,7 @@ class TieredServiceMachine(BaseMachine):
                 assert self.disk.files[self.saved_key(entry)].content == self.own_tokens(entry)
         # The process dies here: a fresh service finds every kept prefix on disk (invariant 5).
         self.service = self.restarted()
+        self.pins.clear()  # pins are the running service's
         found = {(e.namespace, e.tokens) for e in self.service.state.entries.values()}
         rotten = {self.rotten_key(k) for k, _ in self.disk.rejected}
         assert {key for key in kept if not self.lost_with(key, rotten)} <= found
@@ -625,9 +672,10 @@ class BlockedServiceMachine(TieredServiceMachine):
         have one's tokens begin the other's (a partial block a longer one covers is let go; one whose write
         is in flight is pinned by it, and goes once that lands). Plain KV only: a hybrid model's snapshot
         needs the partial block that ends where it does, so two snapshots inside one block each hold
-        their own (a cost the snapshots' admission is to weigh)."""
+        their own (a cost the snapshots' admission is to weigh). A pinned partial block stays until its
+        pin runs out."""
         state = self.service.state
-        settled = [e for e in state.entries.values() if e.is_block and e.trimmable and (
+        settled = [e for e in state.entries.values() if e.is_block and e.trimmable and not self.serves_a_pin(e) and (
             e.residence in (Residence.RAM, Residence.BOTH) or e.residence is Residence.SPILLING and not e.demote)]
         for a in settled:
             for b in settled:

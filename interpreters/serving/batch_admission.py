@@ -40,6 +40,7 @@ from kvstate.core.request import Request
 from kvstate.core.sharing import Computing
 from kvstate.core.tokens import Tokens
 from kvstate.interpreters.serving.model_names import requested_key
+from kvstate.interpreters.serving.pins import PIN_ATTRIBUTE, PinAsked
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
 
@@ -61,6 +62,8 @@ class Arrival:
     namespace: str = ""
     share_deadline: float | None = None
     waited_for_room: bool = False
+    #: The pin the request asked for (``cache_pin_seconds``), its prompt's length filled in.
+    pin: PinAsked | None = None
 
 
 class BatchAdmission:
@@ -82,6 +85,8 @@ class BatchAdmission:
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
         self._namespaces: dict[int, str] = {}     # batch uid -> its request's namespace
+        self._pins: dict[int, PinAsked] = {}      # batch uid -> the pin its request asked for
+        self._unplaced_pin: PinAsked | None = None  # the pin of the request admitted last
         self._unplaced: Request | None = None     # admitted, not yet a batch row (or served unbatched)
         self._unplaced_namespace: str | None = None  # the namespace of the request dequeued last
         self._tokenized: tuple[int, tuple] | None = None  # (id of the server request, its tokenization)
@@ -129,9 +134,12 @@ class BatchAdmission:
     @staticmethod
     def _arrival(item: Any, tokenize: Any, default_namespace: str) -> Arrival:
         namespace = getattr(item[1], NAMESPACE_ATTRIBUTE, None) or default_namespace
+        pin = getattr(item[1], PIN_ATTRIBUTE, None)
         try:
             tokenized = tokenize(item)
-            return Arrival(item, tokenized, tuple(tokenized[0]), namespace)
+            prompt = tuple(tokenized[0])
+            return Arrival(item, tokenized, prompt, namespace,
+                           pin=attrs.evolve(pin, prompt_tokens=len(prompt)) if pin is not None else None)
         except Exception:  # noqa: BLE001 - not ours to admit: the server tokenizes and answers itself
             return Arrival(item, None, namespace=namespace)
 
@@ -166,6 +174,7 @@ class BatchAdmission:
             return WAIT
         self._tokenized = (id(request), arrival.tokenized)
         self._unplaced, self._unplaced_namespace = lease, arrival.namespace
+        self._unplaced_pin = arrival.pin
         self.cache.expect(lease, arrival.namespace)
         return ADMITTED
 
@@ -178,7 +187,7 @@ class BatchAdmission:
     def _end_unplaced(self) -> None:
         """A request admitted and never made a batch row was served unbatched or failed: it is done."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
-        self._unplaced_namespace = None
+        self._unplaced_namespace, self._unplaced_pin = None, None
         if lease is not None:
             self.cache.unexpect(lease)
             self.service.release(lease)
@@ -190,9 +199,12 @@ class BatchAdmission:
         ``cached`` tokens (``insert_segments``' arguments)."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
         namespace, self._unplaced_namespace = self._unplaced_namespace, None
+        pin, self._unplaced_pin = self._unplaced_pin, None
         for uid in uids:
             if namespace is not None:  # a row of no known request keeps nothing
                 self._namespaces[uid] = namespace
+            if pin is not None and len(uids) == 1:
+                self._pins[uid] = pin
         if segments is not None and len(uids) == len(segments):
             for uid, parts, done in zip(uids, segments, cached or [[]] * len(uids)):
                 self._computing[uid] = self._row(parts, done)
@@ -230,10 +242,11 @@ class BatchAdmission:
                 start = len(row.prompt) - response.progress[1]
                 self._computing[response.uid] = attrs.evolve(row, position=start + response.progress[0])
 
-    def publishing(self, uid: int, tokens: Any) -> None:
+    def publishing(self, uid: int, tokens: Any, final: bool = False) -> None:
         """Row ``uid``'s caches over ``tokens`` go to the server's next insert: in the row's namespace (a
-        row of no known request: nowhere, the insert keeps nothing)."""
-        self.cache.announce(tokens, self._namespaces.get(uid))
+        row of no known request: nowhere, the insert keeps nothing). The ``final`` insert, at the end of
+        its generation, pins the row's prompt where its request asked."""
+        self.cache.announce(tokens, self._namespaces.get(uid), self._pins.get(uid) if final else None)
 
     def due_snapshots(self, prompt_responses: Any) -> list[int]:
         """The rows in prefill whose state passed a multiple of ``snapshot_every`` tokens since their
@@ -264,6 +277,7 @@ class BatchAdmission:
         for uid in uids:
             self._snapshotted.pop(uid, None)
             self._namespaces.pop(uid, None)
+            self._pins.pop(uid, None)
             self._computing.pop(uid, None)
             lease = self._rows.pop(uid, None)
             if lease is not None:
@@ -314,7 +328,8 @@ def admitting_generator(server: Any, admission: BatchAdmission) -> type:
         def _serve_single(self, request, stream):
             # Served outside the batch (a seed, --kv-bits, a draft model, images): the fetch and the
             # insert inside are this request's, in its namespace.
-            with admission.cache.serving(getattr(request[1], NAMESPACE_ATTRIBUTE, None)):
+            with admission.cache.serving(getattr(request[1], NAMESPACE_ATTRIBUTE, None),
+                                         getattr(request[1], PIN_ATTRIBUTE, None)):
                 return super()._serve_single(request, stream)
 
         def _tokenize(self, tokenizer, request, args):
@@ -357,7 +372,7 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
                     admission.snapshot(uid, caches, tokens)
             finished = [r for r in generation_responses if r.finish_reason is not None]
             for response in finished:
-                admission.publishing(response.uid, response.all_tokens)
+                admission.publishing(response.uid, response.all_tokens, final=True)
             admission.ended([r.uid for r in finished])
             try:
                 admission.measure(self.prompt_cache_nbytes)

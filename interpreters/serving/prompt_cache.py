@@ -20,10 +20,13 @@ import time
 from collections import deque
 from typing import Any, Iterator
 
+import attrs
+
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
+from kvstate.interpreters.serving.pins import PinAsked, pin_kept
 
 #: The cache types ``mlx_lm.server`` inserts, as ``LRUPromptCache`` orders them.
 #: The kinds of state the server inserts, and a chunk snapshot kvstate takes mid-prefill.
@@ -59,10 +62,11 @@ class KvStatePromptCache:
         self.namespace = namespace
         self.unannounced = unannounced
         self._serving: str | None = None  # the namespace of the request served outside the batch now
+        self._serving_pin: PinAsked | None = None  # and the pin it asked for
         self._lock = threading.Lock()
         self._types: dict[tuple[str, tuple[int, ...]], str] = {}
         self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
-        self._announced: dict[tuple[int, ...], deque[str | None]] = {}
+        self._announced: dict[tuple[int, ...], deque[tuple[str | None, PinAsked | None]]] = {}
         self._stats: tuple[float, dict] | None = None
         config = service.config
         # The clock reaches the service only where a rule reads it (idle writes, idle demotion).
@@ -81,34 +85,35 @@ class KvStatePromptCache:
         if expected is not None and expected[0] is request:
             del self._expected[request.prompt]
 
-    def announce(self, tokens: Any, namespace: str | None) -> None:
+    def announce(self, tokens: Any, namespace: str | None, pin: PinAsked | None = None) -> None:
         """The server's next insert of ``tokens`` is a row of ``namespace``'s (inserts of the same
-        tokens take the announced namespaces in order); None: of no known request, kept nowhere."""
+        tokens take the announced namespaces in order); None: of no known request, kept nowhere. With
+        ``pin``, the prefix it names is pinned once the state is kept (:mod:`~kvstate.interpreters.serving.pins`)."""
         with self._lock:
             if len(self._announced) >= MAX_ANNOUNCED:
                 self._announced.pop(next(iter(self._announced)))
-            self._announced.setdefault(tuple(tokens), deque()).append(namespace)
+            self._announced.setdefault(tuple(tokens), deque()).append((namespace, pin))
 
-    def _announced_namespace(self, key: tuple[int, ...]) -> str | None:
+    def _announced_namespace(self, key: tuple[int, ...]) -> tuple[str | None, PinAsked | None]:
         with self._lock:
             waiting = self._announced.get(key)
             if not waiting:
-                return self.unannounced
-            namespace = waiting.popleft()
+                return self.unannounced, None
+            announced = waiting.popleft()
             if not waiting:
                 del self._announced[key]
-            return namespace
+            return announced
 
     @contextlib.contextmanager
-    def serving(self, namespace: str | None) -> Iterator[None]:
+    def serving(self, namespace: str | None, pin: PinAsked | None = None) -> Iterator[None]:
         """Every fetch and insert inside is the one request the server serves outside the batch (with
         a ``seed``, under ``--kv-bits``, with a draft model or images), in ``namespace`` (the default
-        one if None)."""
-        self._serving = namespace or self.namespace
+        one if None); with ``pin``, the prefix of its prompt (its first fetch's) is pinned once kept."""
+        self._serving, self._serving_pin = namespace or self.namespace, pin
         try:
             yield
         finally:
-            self._serving = None
+            self._serving, self._serving_pin = None, None
 
     # ------------------------------------------------------------ what the server calls
 
@@ -119,6 +124,8 @@ class KvStatePromptCache:
             return None, tokens
         key = tuple(tokens)
         admitted, namespace = self._expected.pop(key, (None, self._serving or self.unannounced))
+        if self._serving_pin is not None and not self._serving_pin.prompt_tokens:
+            self._serving_pin = attrs.evolve(self._serving_pin, prompt_tokens=len(key))
         if namespace is None:
             return None, tokens  # whose request this is is not known: reuse nothing
         self._tick()
@@ -141,7 +148,7 @@ class KvStatePromptCache:
                      cache_type: str = "assistant") -> None:
         """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
         key = tuple(tokens)
-        namespace = self._serving or self._announced_namespace(key)
+        namespace, pin = (self._serving, self._serving_pin) if self._serving else self._announced_namespace(key)
         if model != self.model_key or not key or not prompt_cache:
             return
         if namespace is None:
@@ -170,6 +177,8 @@ class KvStatePromptCache:
         if kept:
             with self._lock:
                 self._types[namespace, key] = cache_type if cache_type in CACHE_TYPES else "assistant"
+            if pin is not None:
+                pin_kept(self.service, namespace, key, pin)
         self.service.boundary()
         logging.info("kvstate: %s state of %d tokens %s in %.1f ms", cache_type, len(key),
                      "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))

@@ -38,6 +38,9 @@ from kvstate.interpreters.serving.batch_admission import (
 from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 from kvstate.interpreters.serving.model_names import NAME_MAPS, alias_served_model
+from kvstate.interpreters.serving.pins import (
+    PIN_ATTRIBUTE, BadPinSeconds, BadWarmPrompt, PinAsked, pin_seconds, warm, warm_prompt_tokens,
+)
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
@@ -119,7 +122,8 @@ def check_server_internals() -> Any:
 _GAUGES = frozenset({"entries", "bytes", "capacity_bytes", "saved_entries", "saved_bytes", "saved_capacity_bytes",
                      "disk_bytes", "pending_writes", "pending_write_bytes", "checkpoints", "checkpoint_bytes",
                      "live_requests", "projected_bytes", "measured_bytes", "budget_bytes", "rejected_held_files",
-                     "rejected_held_bytes", "read_bytes_per_s", "prefill_tokens_per_s"})
+                     "rejected_held_bytes", "read_bytes_per_s", "prefill_tokens_per_s", "pinned_entries",
+                     "pinned_bytes"})
 
 
 class ReportCollector:
@@ -199,6 +203,16 @@ def fitted_max_tokens(service: KvCacheService, tokenizer: Any, request: Any, max
     return service.fit_max_tokens(prompt, max_tokens, requested=from_client)
 
 
+def pin_refusal(service: KvCacheService, tokenizer: Any, request: Any, seconds: float) -> str | None:
+    """Why the pin ``request`` asks for would be refused now (None: it fits): its prompt's state, as the
+    model's geometry sizes it, against what pins may still hold, and its seconds against the most."""
+    try:
+        prompt = prompt_tokens(tokenizer, request) if tokenizer is not None else 0
+    except Exception:  # noqa: BLE001 - a prompt the template cannot render: the server answers it itself
+        prompt = 0
+    return service.pin_refusal(service.config.model.bytes_for(prompt), seconds)
+
+
 def scan_line(result: ScanResult) -> str:
     """One line of what the scan at start found on disk, kept, deleted (and why) and rejected, with sizes."""
     if result.capacity_bytes is None:
@@ -220,19 +234,31 @@ def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchA
 
     class KvStateHandler(server.APIHandler):
         def handle_completion(self, request, stop_words):
-            salt = self.body.get("cache_salt") if isinstance(self.body, dict) else None
+            body = self.body if isinstance(self.body, dict) else {}
+            salt = body.get("cache_salt")
             if salt is not None:
                 try:
                     setattr(request, NAMESPACE_ATTRIBUTE, salt_namespace(salt))
                 except BadCacheSalt as error:
                     return self._refuse(str(error), "cache_salt")
+            pin = None
+            if body.get("cache_pin_seconds") is not None:
+                try:
+                    pin = PinAsked(pin_seconds(body["cache_pin_seconds"]))
+                except BadPinSeconds as error:
+                    return self._refuse(str(error), "cache_pin_seconds")
             tokenizer = self.response_generator.model_provider.tokenizer
             if tokenizer is not None and isinstance(self.max_tokens, int):
-                from_client = self.body.get("max_completion_tokens") is not None or "max_tokens" in self.body
+                from_client = body.get("max_completion_tokens") is not None or "max_tokens" in body
                 fit = fitted_max_tokens(service, tokenizer, request, self.max_tokens, from_client)
                 if fit.refusal is not None:
                     return self._refuse(fit.refusal, "max_tokens" if from_client else None)
                 self.max_tokens = fit.max_tokens
+            if pin is not None:
+                refusal = pin_refusal(service, tokenizer, request, pin.seconds)
+                if refusal is not None:
+                    return self._refuse(refusal, "cache_pin_seconds")
+                setattr(request, PIN_ATTRIBUTE, pin)
             return super().handle_completion(request, stop_words)
 
         def _refuse(self, why: str, param: str | None) -> None:
@@ -297,6 +323,16 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "reuses up to the last one before it (0: at segment ends only; default "
                              f"{SNAPSHOT_EVERY})")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
+    parser.add_argument("--warm-prompt", action="append", default=[], metavar="FILE",
+                        help="prefill this prompt before serving and keep it in RAM until the server stops: a "
+                             ".json file of chat messages (a list, or {\"messages\": [...]}) rendered as a "
+                             "conversation's start, or a text file for the completions endpoint (repeatable)")
+    parser.add_argument("--pin-share", type=float, default=0.5, metavar="SHARE",
+                        help="the share of --ram-bytes that pinned state (warm prompts, and requests' "
+                             "cache_pin_seconds) may hold, from 0 to 1 (default 0.5)")
+    parser.add_argument("--max-pin-seconds", type=float, default=3600.0, metavar="SECONDS",
+                        help="the longest a request's cache_pin_seconds may pin its prompt's state for "
+                             "(default 3600)")
     return parser
 
 
@@ -334,8 +370,16 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         config=config, tokenizer=tokenizer, policy=options.policy, verify=not options.no_verify,
         ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
         write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour,
-        block_tokens=options.block_tokens or None)
-    return KvStatePromptCache(service, model_provider.model_key, unannounced=None)
+        block_tokens=options.block_tokens or None, pin_share=options.pin_share,
+        max_pin_seconds=options.max_pin_seconds)
+    cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
+    try:
+        for path in options.warm_prompt:
+            warm(cache, model, warm_prompt_tokens(Path(path), tokenizer), path)
+    except BaseException:
+        service.close()
+        raise
+    return cache
 
 
 def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
@@ -412,13 +456,25 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvstate serve: --block-tokens is a number of tokens, 0 (whole prompts) or more; "
               f"got {options.block_tokens}", file=sys.stderr)
         return 2
+    if not 0 <= options.pin_share <= 1:
+        print(f"kvstate serve: --pin-share is a share of --ram-bytes from 0 to 1; got {options.pin_share}",
+              file=sys.stderr)
+        return 2
+    if not 0 <= options.max_pin_seconds < float("inf"):
+        print(f"kvstate serve: --max-pin-seconds is seconds, 0 or more; got {options.max_pin_seconds}",
+              file=sys.stderr)
+        return 2
+    for path in options.warm_prompt:
+        if not Path(path).is_file():
+            print(f"kvstate serve: --warm-prompt {path}: no such file", file=sys.stderr)
+            return 2
     if options.shared_prefix_wait is not None and not options.shared_prefix_wait >= 0:
         print(f"kvstate serve: --shared-prefix-wait is seconds, 0 or more; got {options.shared_prefix_wait}",
               file=sys.stderr)
         return 2
     try:
         status = serve(options, server_argv)
-    except ServerInternalsMoved as error:
+    except (ServerInternalsMoved, BadWarmPrompt) as error:
         print(f"kvstate serve: {error}", file=sys.stderr)
         return 2
     leave(status)
