@@ -171,6 +171,14 @@ class PeekPrefixLen(Event):
 
 
 @attrs.frozen
+class ReadingAhead(Event):
+    """Whether blocks that would serve ``prompt`` are being read ahead into RAM now; changes nothing."""
+
+    prompt: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    namespace: str
+
+
+@attrs.frozen
 class CloseSession(Event):
     """Forget ``session_id``'s affinity; its state stays reusable."""
 

@@ -22,9 +22,8 @@ from kvstate.core.checks import ensure_open, size_text
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest, PinOverBudget, PinTooLong
 from kvstate.core.replies import Pinned
-from kvstate.core.reuse import chain_of
 from kvstate.core.state import ServiceConfig, ServiceState, check_namespace
-from kvstate.core.tiers import pinned
+from kvstate.core.tiers import chain_of, pinned
 from kvstate.core.tokens import WIDTH, packed
 
 

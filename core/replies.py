@@ -47,6 +47,7 @@ class NotKeptReason(enum.Enum):
     NO_ROOM = "no-room"       #: every entry that could make room is pinned
     NO_FULL_BLOCK = "no-full-block"  #: kept in blocks without partial ones, and shorter than one block
     NOT_WORTH_ITS_BYTES = "not-worth-its-bytes"  #: a chunk snapshot that saves too little for its bytes
+    READ_IN_FLIGHT = "read-in-flight"  #: blocks of its chain are being read ahead into RAM
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ from kvstate.core.replies import Acquired, Admission, ObjectFound, ObjectMissing
 from kvstate.core.request import Request
 from kvstate.core.state import IN_RAM, Entry, Lease, ServiceState, Waiting, check_namespace, request_check
 from kvstate.core.requests import admit_lease
-from kvstate.core.tiers import read_error, reject, saved_name, touch, touch_all, unpin
+from kvstate.core.tiers import chain_of, read_error, reject, saved_name, touch, touch_all, unpin
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -102,19 +102,6 @@ def _choose(d: Draft, namespace: str, prompt: tuple[int, ...], from_disk: bool,
         d.count("restores_passed_up")  # prefilling what the file adds is faster here than reading it
         disk_len = 0
     return ram_len, ram_entry, disk_len, disk_entry
-
-
-def chain_of(d: Draft, entry: Entry, length: int) -> list[Entry]:
-    """The blocks that serve the first ``length`` tokens through block ``entry``, first first (a whole
-    prefix is its own chain)."""
-    chain = []
-    block: Entry | None = entry
-    while block is not None:
-        if block.start < length or block.is_snapshot:
-            chain.append(block)
-        block = d.entries.get(block.parent) if block.parent is not None else None
-    chain.reverse()
-    return chain
 
 
 def _read_bytes(d: Draft, entry: Entry, length: int) -> int:

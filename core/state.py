@@ -60,6 +60,8 @@ class Move(enum.Enum):
     READ_FAILED = "read-failed"      #: the read failed: the file is rejected
     READ_ERROR = "read-error"        #: the read hit an I/O error: the file stays, on disk only
     ADOPT = "adopt"                  #: a request published the same tokens again: RAM copy regained
+    UNREAD = "unread"                #: a read ahead not taken up (one before it failed, or what it
+                                     #: extends left RAM): on disk only, as before
 
 
 R = Residence
@@ -77,6 +79,7 @@ LIFECYCLE: dict[tuple[Residence, Move], Residence | None] = {
     (R.PREFETCHING, Move.READ): R.BOTH,
     (R.PREFETCHING, Move.READ_FAILED): None,
     (R.PREFETCHING, Move.READ_ERROR): R.DISK,
+    (R.PREFETCHING, Move.UNREAD): R.DISK,
 }
 
 IN_RAM = frozenset({R.RAM, R.SPILLING, R.BOTH})

@@ -220,6 +220,8 @@ def _forget(d: Draft, entry: Entry) -> None:
     if entry.residence in IN_RAM:
         d.ram.bytes -= entry.nbytes
         d.ram.policy = d.ram.strategy.removed(d.ram.policy, entry.id)
+    if entry.residence is R.PREFETCHING:
+        d.ram.bytes -= entry.nbytes  # charged when its read ahead began
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING):
         if listed(entry, False):
             d.disk.index = d.disk.index.remove(entry.namespace, entry.packed)
@@ -229,6 +231,19 @@ def _forget(d: Draft, entry: Entry) -> None:
     if entry.residence is R.SPILLING:
         d.writes_add(-1, -entry.nbytes)
     _delete(d, entry)
+
+
+def chain_of(d: Draft | ServiceState, entry: Entry, length: int) -> list[Entry]:
+    """The blocks that serve the first ``length`` tokens through block ``entry``, first first (a whole
+    prefix is its own chain)."""
+    chain = []
+    block: Entry | None = entry
+    while block is not None:
+        if block.start < length or block.is_snapshot:
+            chain.append(block)
+        block = d.entries.get(block.parent) if block.parent is not None else None
+    chain.reverse()
+    return chain
 
 
 def saved_name(d: Draft, entry: Entry) -> fx.DiskKey | fx.BlockName:
@@ -535,6 +550,11 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
         return NotKept(NotKeptReason.NO_FULL_BLOCK)
+    if (any(link.held is not None and link.held.residence is R.PREFETCHING for link in links)
+            or (snapshot is not None and snapshot.residence is R.PREFETCHING)):
+        d.count("not_kept")  # a later publish keeps what the read leaves missing
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(NotKeptReason.READ_IN_FLIGHT)
     missing = [link for link in links if link.held is None or link.held.residence not in IN_RAM]
     snapshot_missing = offer.snapshot is not None and (snapshot is None or snapshot.residence not in IN_RAM)
     if not missing and not snapshot_missing:
@@ -878,8 +898,10 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
     if disk_len <= ram_len:
         return False
     entry = d.entries[disk_entry]
-    if entry.residence is not R.DISK or disk_entry in d.reading or entry.chained:
-        return False  # blocks are read when a request assembles them, only those RAM lacks
+    if entry.chained:
+        return _prefetch_chain(d, entry, disk_len)
+    if entry.residence is not R.DISK or disk_entry in d.reading:
+        return False
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, entry.tag)
     if not make_ram_room(d, entry.nbytes):
         return False
@@ -888,6 +910,85 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
     d.ram.bytes += entry.nbytes
     d.out.append(fx.PrefetchEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens)))
     return True
+
+
+def _prefetch_chain(d: Draft, entry: Entry, length: int) -> bool:
+    """Start reading into RAM the blocks (and the snapshot) of ``entry``'s chain up to ``length`` that
+    only the disk holds, room made for them all by policy (never at the expense of the chain's own
+    RAM blocks); False where none is missing, one is being read, or RAM has no room."""
+    chain = chain_of(d, entry, length)
+    if any(block.residence is R.PREFETCHING or block.id in d.reading for block in chain):
+        return False  # a read of this chain is in flight
+    missing = [block for block in chain if block.residence is R.DISK]
+    if not missing:
+        return False
+    for block in missing:
+        d.ram.policy = d.ram.strategy.arriving(d.ram.policy, block.tag)
+    if not make_ram_room(d, sum(block.nbytes for block in missing), frozenset(block.id for block in chain)):
+        return False
+    parts = []
+    for block in missing:
+        d.set_entry(attrs.evolve(block, residence=moved(R.DISK, Move.PREFETCH)))
+        d.ram.bytes += block.nbytes
+        parts.append(fx.BlockPart(block.id, saved_name(d, block)))
+    d.out.append(fx.PrefetchBlocks(tuple(parts)))
+    return True
+
+
+def reading_ahead(state: ServiceState, namespace: str, prompt: tuple[int, ...]) -> bool:
+    """Whether a block of the longest saved chain serving ``prompt`` is being read ahead into RAM."""
+    if not state.config.has_disk:
+        return False
+    length, found = state.disk.index.longest(namespace, prompt)
+    if found is None:
+        return False
+    entry = state.entries[found]
+    return entry.chained and any(block.residence is R.PREFETCHING for block in chain_of(state, entry, length))
+
+
+def blocks_prefetched(d: Draft, e: done.BlocksPrefetched) -> object:
+    """A chain's blocks read ahead are in RAM too, first to last, each where it is still being read
+    ahead and what it extends is in RAM; one the interpreter read that is not taken up is dropped from
+    its RAM. The part that failed is rejected (or, an I/O error, stays on disk), and those after it,
+    never read, are on disk only again."""
+    taken: list[Entry] = []
+    for entry_id in e.read:
+        entry = d.entries.get(entry_id)
+        parent = d.entries.get(entry.parent) if entry is not None and entry.parent is not None else None
+        extends_ram = parent is None or parent.residence in IN_RAM or any(t.id == parent.id for t in taken)
+        if entry is None or entry.residence is not R.PREFETCHING or not extends_ram:
+            d.out.append(fx.DropEntry(entry_id))
+            if entry is not None and entry.residence is R.PREFETCHING:
+                _unread(d, entry)
+            continue
+        taken.append(entry)
+    for entry in reversed(taken):  # the last first, as a keep meets a chain: its start is the most recent
+        entry = attrs.evolve(d.entries[entry.id], residence=moved(R.PREFETCHING, Move.READ), last_used=d.now,
+                             read_errors=0)
+        d.set_entry(entry)
+        insert_ram(d, entry)
+    if taken:
+        d.count("prefetches")
+        read_bytes = sum(entry.file_bytes for entry in taken)
+        d.count("bytes_read", read_bytes)
+        read_measured(d, read_bytes, e.seconds)
+    for entry_id in e.unread:
+        entry = d.entries.get(entry_id)
+        if entry is not None and entry.residence is R.PREFETCHING:
+            _unread(d, entry)
+    failed = d.entries.get(e.failed) if e.failed is not None else None
+    if failed is not None and failed.residence is R.PREFETCHING:  # else judged already, by a read of its own
+        if e.reason is done.FailureReason.IO_ERROR:
+            read_error(d, e.failed)
+        else:
+            reject(d, e.failed)
+    return None
+
+
+def _unread(d: Draft, entry: Entry) -> None:
+    """A read ahead of ``entry`` is not taken up: its RAM charge goes, its file stays."""
+    d.ram.bytes -= entry.nbytes
+    d.set_entry(attrs.evolve(entry, residence=moved(R.PREFETCHING, Move.UNREAD)))
 
 
 def prefetch_done(d: Draft, e: done.PrefetchDone) -> object:

@@ -60,6 +60,10 @@ def _prefetch(state: ServiceState, e: ev.Prefetch) -> Step:
     return d.step(reply) if d.out else Step(state, (), reply)  # no read started: nothing changed
 
 
+def _reading_ahead(state: ServiceState, e: ev.ReadingAhead) -> Step:
+    return Step(state, (), tiers.reading_ahead(state, check_namespace(e.namespace), e.prompt))
+
+
 #: Each event and completion, and the handler of its concern.
 HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Admit: requests.admit,
@@ -78,6 +82,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Checkpoint: checkpoints.checkpoint,
     ev.PlanCheckpoint: checkpoints.plan_checkpoint,
     ev.Prefetch: _prefetch,
+    ev.ReadingAhead: _reading_ahead,
     ev.Pin: pins.pin,
     ev.PinFits: pins.pin_fits,
     ev.ObjectGet: objects.object_get,
@@ -93,6 +98,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     done.SpillFailed: _on_draft(tiers.spill_failed),
     done.PrefetchDone: _on_draft(tiers.prefetch_done),
     done.PrefetchFailed: _on_draft(tiers.prefetch_failed),
+    done.BlocksPrefetched: _on_draft(tiers.blocks_prefetched),
     done.RestoreDone: reuse.restore_done,
     done.RestoreFailed: reuse.restore_failed,
     done.CheckpointWritten: checkpoints.checkpoint_written,

@@ -6,20 +6,20 @@ it went. Both are small frozen values, one line of doc each.
 
 from kvstate.effects.effects import (
     AdoptPublished, CloneEntry, DeleteCheckpoint, DeleteFile, DiskKey, DropEntry, DropPublished, Effect,
-    MakeFresh, NotifyKept, PrefetchEntry, RestoreEntry, ResumeCheckpoint, SpillEntry, Sync, WriteCheckpoint,
-    CheckpointMeta,
+    MakeFresh, NotifyKept, PrefetchBlocks, PrefetchEntry, RestoreEntry, ResumeCheckpoint, SpillEntry, Sync,
+    WriteCheckpoint, CheckpointMeta,
 )
 from kvstate.effects.completions import (
-    CheckpointFailed, CheckpointResumed, CheckpointWritten, Completion, FailureReason, PrefetchDone,
-    PrefetchFailed, RestoreDone, RestoreFailed, ResumeFailed, SavedCheckpoint, SavedRecord, Scanned, SpillDone,
-    SpillFailed, Synced,
+    BlocksPrefetched, CheckpointFailed, CheckpointResumed, CheckpointWritten, Completion, FailureReason,
+    PrefetchDone, PrefetchFailed, RestoreDone, RestoreFailed, ResumeFailed, SavedCheckpoint, SavedRecord, Scanned,
+    SpillDone, SpillFailed, Synced,
 )
 
 __all__ = [
     "AdoptPublished", "CloneEntry", "DeleteCheckpoint", "DeleteFile", "DiskKey", "DropEntry", "DropPublished",
-    "Effect", "MakeFresh", "NotifyKept", "PrefetchEntry", "RestoreEntry", "ResumeCheckpoint", "SpillEntry",
-    "Sync", "WriteCheckpoint", "CheckpointMeta",
-    "CheckpointFailed", "CheckpointResumed", "CheckpointWritten", "Completion", "FailureReason",
+    "Effect", "MakeFresh", "NotifyKept", "PrefetchBlocks", "PrefetchEntry", "RestoreEntry", "ResumeCheckpoint",
+    "SpillEntry", "Sync", "WriteCheckpoint", "CheckpointMeta",
+    "BlocksPrefetched", "CheckpointFailed", "CheckpointResumed", "CheckpointWritten", "Completion", "FailureReason",
     "PrefetchDone", "PrefetchFailed", "RestoreDone", "RestoreFailed", "ResumeFailed", "SpillDone",
     "SpillFailed", "Synced", "SavedCheckpoint", "SavedRecord", "Scanned",
 ]

@@ -97,6 +97,20 @@ class PrefetchFailed(Completion):
 
 
 @attrs.frozen
+class BlocksPrefetched(Completion):
+    """The entries ``read`` (the first parts of a ``PrefetchBlocks``, in order) are in the
+    interpreter's RAM, read in ``seconds``; where ``failed`` names the part that could not be read
+    (``reason``), the parts after it (``unread``) were not read either."""
+
+    read: tuple[int, ...]
+    seconds: float | None = None
+    failed: int | None = None
+    reason: FailureReason | None = None
+    #: The parts after the one that failed, not read.
+    unread: tuple[int, ...] = ()
+
+
+@attrs.frozen
 class CheckpointWritten(Completion):
     """The checkpoint of ``key`` covering ``tokens`` tokens is durable, in a file of ``file_bytes``."""
 

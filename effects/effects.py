@@ -176,6 +176,15 @@ class PrefetchEntry(Effect):
 
 
 @attrs.frozen
+class PrefetchBlocks(Effect):
+    """Read the saved ``parts`` of one chain (each named by ``saved``; first position first, a
+    snapshot last) into RAM as their entries, ahead of a request, stopping at the first that fails;
+    completes once (``BlocksPrefetched``)."""
+
+    parts: tuple[BlockPart, ...]
+
+
+@attrs.frozen
 class DeleteFile(Effect):
     """Delete the saved state under ``key`` (evicted from the disk tier): a prefix's or a block's."""
 

@@ -56,6 +56,7 @@ PERFORMERS: dict[type, str] = {
     fx.SpillEntry: "_spill_entry",
     fx.RestoreEntry: "_restore_entry",
     fx.PrefetchEntry: "_prefetch_entry",
+    fx.PrefetchBlocks: "_prefetch_blocks",
     fx.DeleteFile: "_delete_file",
     fx.NotifyKept: "_notify_kept",
     fx.WriteCheckpoint: "_write_checkpoint",
@@ -153,6 +154,10 @@ class HeldState:
     def take(self, handle: int) -> Any:
         """Hand the caches under ``handle`` to the caller."""
         return self._handles.pop(handle)
+
+    def ram_entries(self) -> set[int]:
+        """The entries whose state it holds in RAM (for checks: exactly the core's RAM entries)."""
+        return set(self._ram)
 
     def _drop_published(self, e: fx.DropPublished) -> list:
         self._handles.pop(e.handle, None)

@@ -364,6 +364,11 @@ class KvCacheService:
         """Start reading the saved prefix of ``prompt`` into RAM; True if a read started."""
         return self._run(ev.Prefetch(as_tokens(prompt), namespace))
 
+    def reading_ahead(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> bool:
+        """Whether blocks that would serve ``prompt`` are being read ahead into RAM now (a ``prefetch``
+        in flight: their completions land at a ``collect`` or ``boundary``)."""
+        return self._run(ev.ReadingAhead(as_tokens(prompt), namespace))
+
     def pin(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE, seconds: float | None = None) -> Pinned:
         """Hold the RAM state serving the longest prefix of ``prompt`` held now out of every rule's reach
         (eviction, pressure, idle demotion) for ``seconds`` on the service's clock, read first from the

@@ -5,8 +5,8 @@ the model's projection, disk is a dictionary of :class:`SimFile` that outlives
 a service (pass the same :class:`SimDisk` to the next one to restart after a
 crash). A cost model turns prefill tokens and bytes read and written into
 estimated seconds. Faults: fail the k-th write, crash before the k-th effect,
-corrupt or swap a saved file; writes may complete later (``deferred_writes``)
-so pinning and durability are exercised as with a real background writer.
+corrupt or swap a saved file; writes and reads ahead may complete later (``deferred_writes``,
+``deferred_reads``), so pinning and durability are exercised as with a real background writer.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class SimulatorInterpreter(HeldState):
 
     def __init__(self, model: ModelSpec, *, identity: str = "sim", cost: CostModel | None = None,
                  disk: SimDisk | None = None, faults: FaultPlan | None = None, deferred_writes: bool = False,
-                 files: FileModel | None = None):
+                 deferred_reads: bool = False, files: FileModel | None = None):
         self.model = model
         self.files = files or FileModel()
         self.identity = identity
@@ -201,6 +201,10 @@ class SimulatorInterpreter(HeldState):
         self.disk = disk if disk is not None else SimDisk()
         self.faults = faults or FaultPlan()
         self.deferred_writes = deferred_writes
+        #: Reads ahead of a chain's blocks (``PrefetchBlocks``) complete at ``poll``, as a background
+        #: reader's would, not when performed.
+        self.deferred_reads = deferred_reads
+        self._reads: deque[fx.PrefetchBlocks] = deque()
         self.stats = SimStats()
         self.now = 0.0
         super().__init__()
@@ -293,13 +297,16 @@ class SimulatorInterpreter(HeldState):
         self.stats.effects += 1
         crash = self.faults.crash_before_effect
         if crash is not None and self.stats.effects >= crash:
-            self._pending.clear()  # writes in flight are lost
+            self._pending.clear()  # writes in flight are lost, and reads ahead
+            self._reads.clear()
             raise SimulatedCrash(f"crashed before effect {self.stats.effects}: {effect!r}")
         return super().perform(effect)
 
     def poll(self, limit: int | None = None) -> list:
-        """Complete up to ``limit`` deferred writes (all by default), oldest first."""
+        """Complete the deferred reads ahead, then up to ``limit`` deferred writes (all by default),
+        oldest first."""
         out: list = []
+        out.extend(self.complete_reads())
         while self._pending and (limit is None or len(out) < limit):
             effect, caches = self._pending.popleft()
             out.append(self._complete_write(effect, caches))
@@ -446,6 +453,35 @@ class SimulatorInterpreter(HeldState):
         self._ram[e.entry] = file.payload or SimCaches(file.content, self.model)
         return [done.PrefetchDone(e.entry, self._read_seconds(file))]
 
+    def complete_reads(self) -> list:
+        """Complete the deferred reads ahead, oldest first."""
+        out: list = []
+        while self._reads:
+            out.extend(self._read_ahead(self._reads.popleft()))
+        return out
+
+    def _prefetch_blocks(self, e: fx.PrefetchBlocks) -> list:
+        if self.deferred_reads:
+            self._reads.append(e)
+            return []
+        return self._read_ahead(e)
+
+    def _read_ahead(self, e: fx.PrefetchBlocks) -> list:
+        """The chain's saved parts read into RAM in order, up to the first that fails: a block holds its
+        own tokens, a snapshot every token it is the state after."""
+        read, seconds = [], 0.0
+        for at, part in enumerate(e.parts):
+            file = self._read(part.saved)
+            if isinstance(file, Reason):
+                return [done.BlocksPrefetched(tuple(read), seconds, part.entry, file,
+                                              tuple(p.entry for p in e.parts[at + 1:]))]
+            self._ram[part.entry] = SimCaches(packed(file.content), self.model)
+            if isinstance(part.saved, fx.SnapshotName):
+                self._snapshots.add(part.entry)
+            read.append(part.entry)
+            seconds += self._read_seconds(file)
+        return [done.BlocksPrefetched(tuple(read), seconds)]
+
     def _delete_file(self, e: fx.DeleteFile) -> list:
         self.disk.files.pop(e.key, None)
         return []
@@ -480,7 +516,7 @@ def simulated_parts(model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, 
     ``disk_bytes`` the simulated disk tier (None: none). Further ``options``
     are :class:`~kvstate.core.state.ServiceConfig` fields; ``interpreter_options``
     go to :class:`SimulatorInterpreter` (``disk``, ``faults``, ``cost``,
-    ``deferred_writes``, ``identity``, ``files``).
+    ``deferred_writes``, ``deferred_reads``, ``identity``, ``files``).
     """
     spec = model_spec(model) if isinstance(model, str) else model
     interpreter_options = dict(interpreter_options or {})

@@ -29,8 +29,9 @@ def llama():
 
 
 def service_for(model, config, directory, block_tokens=SIZE, **options):
+    options.setdefault("background_writes", False)
     return KvCacheService.for_mlx(model, ram_bytes=8 << 20, disk_dir=str(directory), disk_bytes=64 << 20,
-                                  config=config, background_writes=False, block_tokens=block_tokens, **options)
+                                  config=config, block_tokens=block_tokens, **options)
 
 
 def last_logits(model, tokens, caches):
@@ -121,6 +122,53 @@ def test_after_a_restart_blocks_are_restored_from_disk_and_continue_as_a_recompu
     again.close()
 
 
+def test_a_chain_read_ahead_from_disk_serves_the_next_request_from_ram_as_a_recompute(llama, tmp_path):
+    model, config = llama
+    first = service_for(model, config, tmp_path)
+    prompt = tuple(range(9, 9 + 3 * SIZE + 5))
+    turn(first, model, prompt)
+    assert first.flush().durable
+    first.close()
+    again = service_for(model, config, tmp_path)
+    assert again.prefetch(prompt + (1,), "n") is True
+    assert again.report().prefetches == 1 and again.report().bytes_read > 0
+    read = again.report().bytes_read
+    longer = prompt + (300, 301)
+    state, logits = turn(again, model, longer)
+    assert state.source is Source.RAM and state.reused_tokens == len(prompt)
+    assert again.report().bytes_read == read  # served from what was read ahead
+    assert_recomputed(model, longer, logits)
+    again.close()
+
+
+def test_a_read_ahead_on_the_reader_thread_lands_at_a_poll_and_rejects_a_damaged_block(llama, tmp_path):
+    """Blocks read ahead on the reader thread (files read and verified there, arrays built where the
+    completion is taken): the blocks before a damaged one come into RAM, the damaged one is rejected
+    and moved aside, and the one after it, which serves nothing without it, is forgotten."""
+    model, config = llama
+    first = service_for(model, config, tmp_path)
+    prompt = tuple(range(11, 11 + 3 * SIZE + 5))
+    turn(first, model, prompt)
+    assert first.flush().durable
+    first.close()
+    again = service_for(model, config, tmp_path, background_writes=True)
+    entries = sorted((e for e in again.state.entries.values() if e.is_block), key=lambda e: e.start)
+    path = again.interpreter.store.block_path(_name(again, entries[2]))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert again.prefetch(prompt + (1,), "n") is True
+    assert {e.residence.value for e in again.state.entries.values()} == {"prefetching"}
+    again.complete(again.interpreter.drain_reads())
+    assert sorted(e.residence.value for e in again.state.entries.values()) == ["both", "both"]
+    assert again.report().rejected_files == 1 and again.interpreter.store.rejected == [(path.name, FailureReason.CORRUPT)]
+    assert again.interpreter.ram_entries() == {entries[0].id, entries[1].id}
+    state, logits = turn(again, model, prompt[:2 * SIZE + 3] + (60,))
+    assert state.source is Source.RAM and state.reused_tokens == 2 * SIZE
+    assert_recomputed(model, prompt[:2 * SIZE + 3] + (60,), logits)
+    again.close()
+
+
 def test_a_damaged_block_is_rejected_and_the_request_served_from_the_blocks_before_it(llama, tmp_path):
     model, config = llama
     first = service_for(model, config, tmp_path)
@@ -201,6 +249,13 @@ def edit_then_restart(service, model, config, directory, prompt, chunk):
     assert state.source is Source.DISK and state.reused_tokens == len(prompt)
     assert_recomputed(model, regenerate, logits)
     again.close()
+    # Read ahead instead: the chain's blocks and its snapshot come into RAM before the request.
+    ahead = service_for(model, config, directory)
+    assert ahead.prefetch(regenerate, "n") is True
+    state, logits = turn(ahead, model, regenerate)
+    assert state.source is Source.RAM and state.reused_tokens == len(prompt)
+    assert_recomputed(model, regenerate, logits)
+    ahead.close()
 
 
 def test_a_hybrid_model_reuses_up_to_the_last_chunk_snapshot_before_a_divergence(hybrid, tmp_path):

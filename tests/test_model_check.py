@@ -230,7 +230,9 @@ class BaseMachine(RuleBasedStateMachine):
         """Every running total the core keeps equals what its entries and indexes add up to."""
         state = self.service.state
         entries = state.entries.values()
-        assert state.ram.bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM)
+        # RAM charges its entries and the reads into it in flight (a chain's blocks read ahead).
+        assert state.ram.bytes == sum(e.nbytes for e in entries if e.residence in IN_RAM
+                                      or e.residence is Residence.PREFETCHING)
         spilling = [e for e in entries if e.residence is Residence.SPILLING]
         # the disk tier charges file bytes; a write in flight has its file's bytes reserved from the start
         assert state.disk.bytes == (sum(e.file_bytes for e in entries
@@ -383,7 +385,7 @@ class TieredServiceMachine(BaseMachine):
             **({"demote_idle_after": IDLE} if self.idle_rule != "write" else {}),
             **({"write_idle_after": IDLE} if self.idle_rule != "demote" else {}),
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
-                                 "files": self.files})
+                                 "deferred_reads": True, "files": self.files})
 
     def own_tokens(self, entry):
         """What an entry's content is: the tokens it covers (a block's own, in the blocked machine)."""
@@ -477,6 +479,16 @@ class TieredServiceMachine(BaseMachine):
             assert self.service.peek_prefix_len(prompt + (SENTINEL,), namespace) >= length
         assert self.service.report().pinned_bytes <= self.service.config.pin_share * RAM
 
+    @rule()
+    def reads_ahead_complete(self):
+        self.service.complete(self.service.interpreter.complete_reads())
+
+    @invariant()
+    def the_interpreter_holds_in_ram_exactly_the_entries_ram_holds(self):
+        state = self.service.state
+        assert self.service.interpreter.ram_entries() == {
+            e.id for e in state.entries.values() if e.residence in IN_RAM}
+
     @rule(count=st.integers(1, 4))
     def writes_complete(self, count):
         self.service.complete(self.service.interpreter.poll(count))
@@ -535,6 +547,12 @@ class TieredServiceMachine(BaseMachine):
     @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]))
     def prefetch(self, prompt, namespace):
         self.service.prefetch(prompt, namespace)
+
+    @precondition(lambda self: self.published)
+    @rule(data=st.data())
+    def prefetch_a_published_prompt(self, data):
+        namespace, tokens = data.draw(st.sampled_from(sorted(self.published)))
+        self.service.prefetch(tokens + (SENTINEL,), namespace)
 
     @rule()
     def flush_then_crash_and_restart(self):
@@ -613,7 +631,7 @@ class BlockedServiceMachine(TieredServiceMachine):
             **({"demote_idle_after": IDLE} if self.idle_rule != "write" else {}),
             **({"write_idle_after": IDLE} if self.idle_rule != "demote" else {}),
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
-                                 "files": self.files})
+                                 "deferred_reads": True, "files": self.files})
 
     def own_tokens(self, entry):
         """What a block's content is (its own tokens), or a snapshot's (every token it is the state after)."""
@@ -623,7 +641,8 @@ class BlockedServiceMachine(TieredServiceMachine):
     def ram_within_capacity_and_content_is_what_was_published(self):
         state = self.service.state
         in_ram = [e for e in state.entries.values() if e.residence in IN_RAM]
-        assert state.ram.bytes == sum(e.nbytes for e in in_ram) <= RAM
+        reading = [e for e in state.entries.values() if e.residence is Residence.PREFETCHING]
+        assert state.ram.bytes == sum(e.nbytes for e in in_ram + reading) <= RAM
         for entry in in_ram:
             content = self.service.interpreter.ram_content(entry.id)
             assert content.tokens == self.own_tokens(entry)

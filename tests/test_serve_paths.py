@@ -71,7 +71,8 @@ def test_every_serving_path_keeps_each_tenants_state_to_itself(model_dir, tmp_pa
         assert turn(None, private).usage.prompt_tokens_details.cached_tokens < third.usage.prompt_tokens // 2
         assert turn("tenant-b", private).usage.prompt_tokens_details.cached_tokens < third.usage.prompt_tokens // 2
         assert turn("tenant-c", private).usage.prompt_tokens_details.cached_tokens >= third.usage.prompt_tokens - 1
-        assert server.metrics()["kvstate_restores_total"] >= 1
+        metrics = server.metrics()  # from disk: restored, or read ahead into RAM when the request came
+        assert metrics["kvstate_restores_total"] + metrics["kvstate_prefetches_total"] >= 1
     finally:
         server.stop()
 

@@ -146,6 +146,24 @@ def _touch(path: Path) -> None:
         pass
 
 
+@attrs.frozen(eq=False)
+class ReadAhead:
+    """A saved file read whole into host memory and verified, its arrays not built yet."""
+
+    path: Path
+    metadata: dict
+    tensors: dict
+    data: np.ndarray
+
+
+def _slices_of(data: np.ndarray, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each tensor's bytes in a whole safetensors file read into ``data`` (views, not copies)."""
+    (length,) = struct.unpack("<Q", data[:8].tobytes())
+    start = 8 + length
+    return {name: data[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
+            for name, info in tensors.items() if name != "__metadata__"}
+
+
 class DiskStore:
     """Saved prefixes and checkpoints of one model identity under ``root``."""
 
@@ -565,12 +583,13 @@ class DiskStore:
         return caches
 
     def _decode(self, path: Path, data: np.ndarray, metadata: dict[str, str], tensors: dict[str, Any]) -> list:
-        (length,) = struct.unpack("<Q", data[:8].tobytes())
-        start = 8 + length
-        slices = {name: data[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
-                  for name, info in tensors.items()}
+        slices = _slices_of(data, tensors)
         if self.verify:
             self._verify(path, metadata, slices)
+        return self._built(path, metadata, tensors, slices)
+
+    def _built(self, path: Path, metadata: dict[str, str], tensors: dict[str, Any], slices: dict[str, Any]) -> list:
+        """The file's content, its arrays built (copied) from its verified host bytes."""
         arrays = {}
         for name, raw in slices.items():
             info = tensors[name]
@@ -661,6 +680,60 @@ class DiskStore:
             raise RejectedFile(FailureReason.CORRUPT, f"{described.path.name}: holds other state than its name says")
         _touch(described.path)
         return content
+
+    def read_ahead(self, name: BlockName | SnapshotName) -> "ReadAhead":
+        """The file ``name`` names read whole into a host buffer of its own and verified there, its
+        arrays not built: no MLX call, so a background reader may do it (:meth:`built` builds them on
+        the thread that takes them). :class:`RejectedFile` (moved aside) if it cannot be trusted; an
+        I/O error or a short read is tried once more from a fresh open."""
+        path = self._path_of(name)
+        for attempt in (1, 2):
+            try:
+                file = self._open(path)
+            except RejectedFile as rejected:
+                if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
+                    continue
+                raise
+            with file:
+                try:
+                    read = self._read_ahead_open(name, path, file)
+                except RejectedFile as rejected:
+                    if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
+                        continue
+                    self._reject(path, file, rejected)
+                    raise
+            _touch(path)
+            return read
+        raise AssertionError("unreachable")
+
+    def _read_ahead_open(self, name: BlockName | SnapshotName, path: Path, file: BinaryIO) -> "ReadAhead":
+        described, metadata, tensors = self._describe(path, file)
+        if described.block != name:
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: holds other state than its name says")
+        size = os.fstat(file.fileno()).st_size
+        data = np.empty(size, dtype=np.uint8)
+        try:
+            file.seek(0)
+            got = file_io.read_into(file, memoryview(data))
+        except (OSError, ValueError) as error:
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+        if got != size:
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {got} of its {size} bytes")
+        if self.verify:
+            self._verify(path, metadata, _slices_of(data, tensors))
+        return ReadAhead(path, metadata, tensors, data)
+
+    def built(self, read: "ReadAhead") -> list:
+        """The content of a file read ahead (:meth:`read_ahead`), its arrays built from the bytes read
+        and verified then; :class:`RejectedFile` (moved aside) where they cannot be built."""
+        try:
+            return self._built(read.path, read.metadata, read.tensors, _slices_of(read.data, read.tensors))
+        except RejectedFile as rejected:
+            self.move_aside(read.path, rejected.reason)
+            raise
+        except Exception as error:  # noqa: BLE001 - a header that passed its checks and still fails to build
+            self.move_aside(read.path, FailureReason.CORRUPT)
+            raise RejectedFile(FailureReason.CORRUPT, f"{read.path.name}: cannot be rebuilt ({error!r})") from None
 
     def read_checkpoint(self, key: str) -> tuple[CheckpointMeta, tuple[int, ...], list]:
         described, caches = self._load(self.checkpoint_path(key))

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -38,15 +39,16 @@ from kvstate.models.spec import ModelSpec
 from kvstate.interpreters.base import BlockSizes, CacheFacts, HeldState, InterpreterError
 
 
-class _Writer:
-    """A background thread committing encoded files in order; completions wait in a list for ``poll``."""
+class _Worker:
+    """A background thread running jobs in order (committing encoded files, or reading files ahead);
+    what each returns waits in a list for ``poll``."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self._jobs: queue.Queue = queue.Queue()
         self._done: list = []
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kvstate-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], Any]) -> None:
@@ -89,6 +91,34 @@ class _Writer:
         self._thread.join()
 
 
+@attrs.frozen(eq=False)
+class _PartsRead:
+    """What a read ahead of a chain's parts found: the parts read and verified (their files' bytes, no
+    arrays yet), in order, and the part that failed, with why (None: none did)."""
+
+    effect: fx.PrefetchBlocks
+    thread: int  # the thread that asked for it: the one that takes it
+    parts: list
+    failed: int | None
+    reason: done.FailureReason | None
+    seconds: float
+
+
+def _read_parts(store: DiskStore, effect: fx.PrefetchBlocks, thread: int) -> _PartsRead:
+    """Read the parts of ``effect`` in order, each file whole and verified, up to the first that fails
+    (no MLX call: this runs on the reader thread)."""
+    started, parts = time.perf_counter(), []
+    for part in effect.parts:
+        try:
+            parts.append((part, store.read_ahead(part.saved)))
+        except RejectedFile as rejected:
+            return _PartsRead(effect, thread, parts, part.entry, rejected.reason, time.perf_counter() - started)
+        except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
+            return _PartsRead(effect, thread, parts, part.entry, done.FailureReason.IO_ERROR,
+                              time.perf_counter() - started)
+    return _PartsRead(effect, thread, parts, None, None, time.perf_counter() - started)
+
+
 class MlxInterpreter(HeldState):
     """Carries out effects on mlx-lm caches for ``model``, with an optional disk store."""
 
@@ -100,7 +130,12 @@ class MlxInterpreter(HeldState):
         self.store = store
         self._clock = clock
         super().__init__()
-        self._writer = _Writer() if background_writes and store is not None else None
+        background = background_writes and store is not None
+        self._writer = _Worker("kvstate-writer") if background else None
+        #: Reads ahead of blocks (``PrefetchBlocks``): files read and verified here, off the caller's
+        #: thread; their arrays are built on the thread that polls (:meth:`poll`), where MLX runs.
+        self._reader = _Worker("kvstate-reader") if background else None
+        self._landed: list[_PartsRead] = []  # reads ahead done, not yet taken by the thread that asked
 
     @property
     def now(self) -> float:
@@ -183,11 +218,34 @@ class MlxInterpreter(HeldState):
 
     def poll(self) -> list:
         """Completions of writes finished since the last poll."""
-        return self._writer.poll() if self._writer is not None else []
+        out = self._writer.poll() if self._writer is not None else []
+        if self._reader is not None:
+            # A read ahead is taken (its arrays built) only on the thread that asked for it: MLX work
+            # of one thread must not run on another's (a scrape's poll leaves it for a later one).
+            self._landed.extend(self._reader.poll())
+            here, waiting = threading.get_ident(), []
+            for read in self._landed:
+                if read.thread == here:
+                    out.extend(self._take_read(read))
+                else:
+                    waiting.append(read)
+            self._landed = waiting
+        return out
+
+    def drain_reads(self) -> list:
+        """Wait for the reads ahead in flight, and take them: their completions (for a caller that must
+        see them landed before it goes on)."""
+        if self._reader is None:
+            return []
+        landed, self._landed = self._landed + self._reader.drain(), []
+        return [completion for read in landed for completion in self._take_read(read)]
 
     def close(self) -> None:
         """The service closed: stop the writer (its queue was drained by the close's flush) and release
         the store's hold on the saved-state root. Idempotent."""
+        if self._reader is not None:
+            self._reader.stop()
+            self._reader = None
         if self._writer is not None:
             self._writer.stop()
             self._writer = None
@@ -340,6 +398,39 @@ class MlxInterpreter(HeldState):
             return [done.PrefetchFailed(e.entry, caches)]
         self._ram[e.entry] = caches
         return [done.PrefetchDone(e.entry, time.perf_counter() - started)]
+
+    def _prefetch_blocks(self, e: fx.PrefetchBlocks) -> list:
+        """Read the chain's saved parts ahead: on the reader thread where there is one (the completion
+        comes at a later :meth:`poll`), else now."""
+        store = self._store()
+        job = functools.partial(_read_parts, store, e, threading.get_ident())
+        if self._reader is not None:
+            self._reader.submit(job)
+            return []
+        return self._take_read(job())
+
+    def _take_read(self, read: "_PartsRead") -> list:
+        """The parts a read ahead verified, their arrays built here and held as their entries, in order,
+        up to the first that failed (or fails to build); the completion that says so."""
+        store, taken = self._store(), []
+        failed, reason = read.failed, read.reason
+        for part, raw in read.parts:
+            try:
+                held = store.built(raw)
+            except RejectedFile as rejected:
+                failed, reason = part.entry, rejected.reason
+                break
+            snapshot = isinstance(part.saved, fx.SnapshotName)
+            # Scheduled now, on this thread's stream (the one that asked for the read), without a wait.
+            mx.async_eval(mlx_caches.arrays_of([c for c in held if c is not None]) if snapshot
+                          else [array for layer in held for array in layer.values()])
+            self._ram[part.entry] = held
+            if snapshot:
+                self._snapshots.add(part.entry)
+            taken.append(part.entry)
+        entries = [part.entry for part in read.effect.parts]
+        unread = tuple(entries[entries.index(failed) + 1:]) if failed is not None else ()
+        return [done.BlocksPrefetched(tuple(taken), read.seconds, failed, reason, unread)]
 
     def _delete_file(self, e: fx.DeleteFile) -> list:
         store = self._store()

@@ -48,6 +48,11 @@ from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
 CACHE_STEP = 256
 #: A wait for another request's publish must save at least this many prompt tokens.
 MIN_SHARED_TOKENS = 64
+#: The longest a request waits for its saved blocks read ahead into RAM before it joins the batch
+#: anyway (and its acquire reads what is still missing itself).
+READ_AHEAD_WAIT_S = 2.0
+#: How often an idle server looks whether the reads it waits for have landed.
+READ_POLL_S = 0.002
 
 
 @attrs.define
@@ -64,6 +69,8 @@ class Arrival:
     waited_for_room: bool = False
     #: The pin the request asked for (``cache_pin_seconds``), its prompt's length filled in.
     pin: PinAsked | None = None
+    #: Until when it waits for its saved blocks being read ahead into RAM (None: nothing read ahead).
+    read_deadline: float | None = None
 
 
 class BatchAdmission:
@@ -81,6 +88,8 @@ class BatchAdmission:
         self._snapshotted: dict[int, int] = {}   # batch uid -> the tokens its last chunk snapshot covered
         self.service = cache.service
         self.share_wait_s = share_wait_s
+        #: Whether a request's saved blocks are read ahead when it arrives (state kept in blocks).
+        self.reads_ahead = cache.service.config.block_tokens is not None and cache.service.config.has_disk
         self.min_shared_tokens = min_shared_tokens
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
@@ -104,9 +113,11 @@ class BatchAdmission:
         tokenization (prompt first), or raises for a request admission leaves to the server."""
         self._end_unplaced()
         while True:
-            arrived = take(None if self._waiting else timeout)  # newcomers queue behind the waiting
+            arrived = take(self._take_timeout(timeout))  # newcomers queue behind the waiting
             if arrived is not None:
-                self._waiting.append(self._arrival(arrived, tokenize, self.cache.namespace))
+                arrival = self._arrival(arrived, tokenize, self.cache.namespace)
+                self._read_ahead(arrival)
+                self._waiting.append(arrival)
             if not self._waiting:
                 return None
             verdict, arrival = self._next_in_line()
@@ -121,12 +132,40 @@ class BatchAdmission:
                 return arrival.item
             # REFUSED: the client has its answer; look at the next one
 
+    def _take_timeout(self, timeout: float | None) -> float | None:
+        """How long the dequeue waits for a newcomer: not at all while requests wait their turn in a
+        running batch (``timeout`` None), and, with the batch idle, a moment while the only ones waiting
+        wait for their blocks to be read (the read lands at the next pass, not a newcomer)."""
+        if not self._waiting:
+            return timeout
+        if timeout is not None and all(arrival.read_deadline is not None for arrival in self._waiting):
+            return min(timeout, READ_POLL_S)
+        return None
+
+    def _read_ahead(self, arrival: Arrival) -> None:
+        """Start reading the request's saved blocks into RAM now, off the generation thread, so its row
+        joins the batch with its state in memory (it waits for them at most ``READ_AHEAD_WAIT_S``)."""
+        if not self.reads_ahead or arrival.tokenized is None:
+            return
+        if self.service.prefetch(arrival.prompt, arrival.namespace):
+            arrival.read_deadline = time.monotonic() + READ_AHEAD_WAIT_S
+
+    def _waits_for_reads(self, arrival: Arrival) -> bool:
+        """Whether the request still waits for its blocks read ahead (which land at a ``collect``)."""
+        if arrival.read_deadline is None:
+            return False
+        self.service.collect()
+        if time.monotonic() < arrival.read_deadline and self.service.reading_ahead(arrival.prompt, arrival.namespace):
+            return True
+        arrival.read_deadline = None
+        return False
+
     def _next_in_line(self) -> tuple[object, Arrival | None]:
         """The verdict on the first waiting request that is not waiting for a shared prefix, and that
         request: a request whose prefix is being computed lets the ones behind it go first (they do
         not share it), while room is first come, first served."""
         for arrival in self._waiting:
-            if self._waits_for_shared_prefix(arrival):
+            if self._waits_for_reads(arrival) or self._waits_for_shared_prefix(arrival):
                 continue
             return self._admit(arrival), arrival
         return None, None
