@@ -23,7 +23,7 @@ from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest, PinOverBudget, PinTooLong
 from kvstate.core.replies import Pinned
 from kvstate.core.state import ServiceConfig, ServiceState, check_namespace
-from kvstate.core.tiers import chain_of, pinned
+from kvstate.core.tiers import chain_of, drop_if_superseded, pinned
 from kvstate.core.tokens import WIDTH, packed
 
 
@@ -112,3 +112,6 @@ def expire(d: Draft) -> None:
         for entry_id in gone:
             del pins[entry_id]
         d.pinned_until = pins.finish()
+        for entry_id in gone:  # what a pin held back from a longer prefix that serves it goes now
+            if entry_id in d.entries:
+                drop_if_superseded(d, d.entries[entry_id])

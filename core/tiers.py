@@ -899,7 +899,7 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
         return False
     entry = d.entries[disk_entry]
     if entry.chained:
-        return _prefetch_chain(d, entry, disk_len)
+        return _prefetch_chain(d, entry, disk_len, ram_len)
     if entry.residence is not R.DISK or disk_entry in d.reading:
         return False
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, entry.tag)
@@ -912,15 +912,20 @@ def prefetch(d: Draft, namespace: str, prompt: tuple[int, ...]) -> object:
     return True
 
 
-def _prefetch_chain(d: Draft, entry: Entry, length: int) -> bool:
+def _prefetch_chain(d: Draft, entry: Entry, length: int, in_ram: int) -> bool:
     """Start reading into RAM the blocks (and the snapshot) of ``entry``'s chain up to ``length`` that
     only the disk holds, room made for them all by policy (never at the expense of the chain's own
-    RAM blocks); False where none is missing, one is being read, or RAM has no room."""
+    RAM blocks); False where none is missing, one is being read, reading them is slower than
+    prefilling the tokens they add over the ``in_ram`` RAM serves (the pace rule, as for a restore),
+    or RAM has no room."""
     chain = chain_of(d, entry, length)
     if any(block.residence is R.PREFETCHING or block.id in d.reading for block in chain):
         return False  # a read of this chain is in flight
     missing = [block for block in chain if block.residence is R.DISK]
     if not missing:
+        return False
+    if not read_pays(d.pace, sum(block.file_bytes for block in missing), length - in_ram):
+        d.count("restores_passed_up")
         return False
     for block in missing:
         d.ram.policy = d.ram.strategy.arriving(d.ram.policy, block.tag)
@@ -948,26 +953,32 @@ def reading_ahead(state: ServiceState, namespace: str, prompt: tuple[int, ...]) 
 
 def blocks_prefetched(d: Draft, e: done.BlocksPrefetched) -> object:
     """A chain's blocks read ahead are in RAM too, first to last, each where it is still being read
-    ahead and what it extends is in RAM; one the interpreter read that is not taken up is dropped from
-    its RAM. The part that failed is rejected (or, an I/O error, stays on disk), and those after it,
-    never read, are on disk only again."""
+    ahead, what it extends is in RAM, and no longer block covers it; what the interpreter read and is
+    not taken up is let go (``SettleReadAhead`` says which is which). The part that failed is judged
+    as a restore's would be (rejected, or left on disk after an I/O error), and those after it, never
+    read, are on disk only again."""
     taken: list[Entry] = []
+    dropped: list[int] = []
     for entry_id in e.read:
         entry = d.entries.get(entry_id)
         parent = d.entries.get(entry.parent) if entry is not None and entry.parent is not None else None
         extends_ram = parent is None or parent.residence in IN_RAM or any(t.id == parent.id for t in taken)
-        if entry is None or entry.residence is not R.PREFETCHING or not extends_ram:
-            d.out.append(fx.DropEntry(entry_id))
+        if entry is None or entry.residence is not R.PREFETCHING or not extends_ram or _covered(d, entry):
+            dropped.append(entry_id)
             if entry is not None and entry.residence is R.PREFETCHING:
                 _unread(d, entry)
             continue
         taken.append(entry)
+    d.out.append(fx.SettleReadAhead(tuple(entry.id for entry in taken), tuple(dropped)))
     for entry in reversed(taken):  # the last first, as a keep meets a chain: its start is the most recent
         entry = attrs.evolve(d.entries[entry.id], residence=moved(R.PREFETCHING, Move.READ), last_used=d.now,
                              read_errors=0)
         d.set_entry(entry)
         insert_ram(d, entry)
     if taken:
+        last = d.entries[taken[-1].id]
+        if last.trimmable:  # a shorter partial block kept meanwhile is served by it now
+            _drop_served_prefixes(d, last)
         d.count("prefetches")
         read_bytes = sum(entry.file_bytes for entry in taken)
         d.count("bytes_read", read_bytes)
@@ -977,12 +988,46 @@ def blocks_prefetched(d: Draft, e: done.BlocksPrefetched) -> object:
         if entry is not None and entry.residence is R.PREFETCHING:
             _unread(d, entry)
     failed = d.entries.get(e.failed) if e.failed is not None else None
-    if failed is not None and failed.residence is R.PREFETCHING:  # else judged already, by a read of its own
-        if e.reason is done.FailureReason.IO_ERROR:
-            read_error(d, e.failed)
-        else:
-            reject(d, e.failed)
+    if failed is None:
+        return None
+    if e.reason is done.FailureReason.IO_ERROR:
+        if failed.residence is R.PREFETCHING:  # else its file is left as it was, for the reads to come
+            read_error(d, failed.id)
+    elif failed.residence in (R.PREFETCHING, R.DISK):
+        reject(d, failed.id)
+    elif failed.residence is R.BOTH:  # its RAM copy came back meanwhile: only the file it had is gone
+        d.count("rejected_files")
+        drop_disk(d, failed, delete=False)
     return None
+
+
+def drop_if_superseded(d: Draft, entry: Entry) -> None:
+    """A partial last block RAM kept beside a longer one that serves it (held back by a pin that has
+    run out) goes now, as it would have when the longer one was kept."""
+    if not (entry.is_block and entry.trimmable and entry.length - entry.start < d.config.block_tokens
+            and not entry.children and not entry.protected and entry.residence in IN_RAM):
+        return
+    own = entry.packed[entry.start * WIDTH:]
+    for other in d.entries.values():
+        if (other.id != entry.id and other.parent == entry.parent and other.namespace == entry.namespace
+                and other.start == entry.start and other.is_block and other.trimmable
+                and other.residence in IN_RAM and other.length > entry.length
+                and other.packed[other.start * WIDTH:].startswith(own)):
+            if entry.residence is R.SPILLING:
+                if not entry.demote:
+                    d.set_entry(attrs.evolve(entry, demote=True))  # its RAM goes once its write lands
+            else:
+                drop_ram(d, entry)
+            d.count("superseded")
+            return
+
+
+def _covered(d: Draft, entry: Entry) -> bool:
+    """Whether a RAM block already holds every token of ``entry``, a partial last block read ahead (a
+    longer one was kept meanwhile): the partial block is not kept twice."""
+    if not (entry.is_block and entry.trimmable and entry.length - entry.start < d.config.block_tokens):
+        return False
+    return _covering(d, entry.namespace, entry.packed, entry.start) is not None
 
 
 def _unread(d: Draft, entry: Entry) -> None:

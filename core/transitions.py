@@ -57,7 +57,7 @@ def _prefetch(state: ServiceState, e: ev.Prefetch) -> Step:
     namespace = check_namespace(e.namespace)
     d = Draft(state)
     reply = tiers.prefetch(d, namespace, e.prompt)
-    return d.step(reply) if d.out else Step(state, (), reply)  # no read started: nothing changed
+    return d.step(reply) if d.out or d.counts else Step(state, (), reply)  # nothing started or counted: unchanged
 
 
 def _reading_ahead(state: ServiceState, e: ev.ReadingAhead) -> Step:

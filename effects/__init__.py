@@ -6,8 +6,8 @@ it went. Both are small frozen values, one line of doc each.
 
 from kvstate.effects.effects import (
     AdoptPublished, CloneEntry, DeleteCheckpoint, DeleteFile, DiskKey, DropEntry, DropPublished, Effect,
-    MakeFresh, NotifyKept, PrefetchBlocks, PrefetchEntry, RestoreEntry, ResumeCheckpoint, SpillEntry, Sync,
-    WriteCheckpoint, CheckpointMeta,
+    MakeFresh, NotifyKept, PrefetchBlocks, PrefetchEntry, RestoreEntry, ResumeCheckpoint, SettleReadAhead,
+    SpillEntry, Sync, WriteCheckpoint, CheckpointMeta,
 )
 from kvstate.effects.completions import (
     BlocksPrefetched, CheckpointFailed, CheckpointResumed, CheckpointWritten, Completion, FailureReason,
@@ -18,7 +18,7 @@ from kvstate.effects.completions import (
 __all__ = [
     "AdoptPublished", "CloneEntry", "DeleteCheckpoint", "DeleteFile", "DiskKey", "DropEntry", "DropPublished",
     "Effect", "MakeFresh", "NotifyKept", "PrefetchBlocks", "PrefetchEntry", "RestoreEntry", "ResumeCheckpoint",
-    "SpillEntry", "Sync", "WriteCheckpoint", "CheckpointMeta",
+    "SettleReadAhead", "SpillEntry", "Sync", "WriteCheckpoint", "CheckpointMeta",
     "BlocksPrefetched", "CheckpointFailed", "CheckpointResumed", "CheckpointWritten", "Completion", "FailureReason",
     "PrefetchDone", "PrefetchFailed", "RestoreDone", "RestoreFailed", "ResumeFailed", "SpillDone",
     "SpillFailed", "Synced", "SavedCheckpoint", "SavedRecord", "Scanned",

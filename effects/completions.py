@@ -98,8 +98,8 @@ class PrefetchFailed(Completion):
 
 @attrs.frozen
 class BlocksPrefetched(Completion):
-    """The entries ``read`` (the first parts of a ``PrefetchBlocks``, in order) are in the
-    interpreter's RAM, read in ``seconds``; where ``failed`` names the part that could not be read
+    """The entries ``read`` (the first parts of a ``PrefetchBlocks``, in order) were read and verified,
+    in ``seconds``, and wait to be settled (``SettleReadAhead``); where ``failed`` names the part that could not be read
     (``reason``), the parts after it (``unread``) were not read either."""
 
     read: tuple[int, ...]

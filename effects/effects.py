@@ -178,10 +178,19 @@ class PrefetchEntry(Effect):
 @attrs.frozen
 class PrefetchBlocks(Effect):
     """Read the saved ``parts`` of one chain (each named by ``saved``; first position first, a
-    snapshot last) into RAM as their entries, ahead of a request, stopping at the first that fails;
-    completes once (``BlocksPrefetched``)."""
+    snapshot last) ahead of a request, stopping at the first that fails; completes once
+    (``BlocksPrefetched``), and what was read becomes RAM state only once settled (``SettleReadAhead``)."""
 
     parts: tuple[BlockPart, ...]
+
+
+@attrs.frozen
+class SettleReadAhead(Effect):
+    """What a read ahead (``PrefetchBlocks``) brought: the ``taken`` entries' state becomes theirs in RAM,
+    the ``dropped`` ones' is let go (their blocks went elsewhere while they were read)."""
+
+    taken: tuple[int, ...]
+    dropped: tuple[int, ...]
 
 
 @attrs.frozen

@@ -57,6 +57,7 @@ PERFORMERS: dict[type, str] = {
     fx.RestoreEntry: "_restore_entry",
     fx.PrefetchEntry: "_prefetch_entry",
     fx.PrefetchBlocks: "_prefetch_blocks",
+    fx.SettleReadAhead: "_settle_read_ahead",
     fx.DeleteFile: "_delete_file",
     fx.NotifyKept: "_notify_kept",
     fx.WriteCheckpoint: "_write_checkpoint",
@@ -136,6 +137,8 @@ class HeldState:
         self._handles: dict[int, Any] = {}
         #: RAM entries that are snapshots (the state of the layers blocks do not hold), not blocks.
         self._snapshots: set[int] = set()
+        #: State read ahead, by entry, with whether it is a snapshot: RAM state once settled.
+        self._ahead: dict[int, tuple[Any, bool]] = {}
         self.observers: list[Callable[[tuple[int, ...], str], None]] = []
         self._performers: dict[type, Callable[[Any], list]] = {
             effect: getattr(self, method) for effect, method in PERFORMERS.items()}
@@ -158,6 +161,20 @@ class HeldState:
     def ram_entries(self) -> set[int]:
         """The entries whose state it holds in RAM (for checks: exactly the core's RAM entries)."""
         return set(self._ram)
+
+    def ahead_entries(self) -> set[int]:
+        """The entries whose state was read ahead and not settled yet (for checks)."""
+        return set(self._ahead)
+
+    def _settle_read_ahead(self, e: fx.SettleReadAhead) -> list:
+        for entry in e.taken:
+            held, snapshot = self._ahead.pop(entry)
+            self._ram[entry] = held
+            if snapshot:
+                self._snapshots.add(entry)
+        for entry in e.dropped:
+            self._ahead.pop(entry, None)
+        return []
 
     def _drop_published(self, e: fx.DropPublished) -> list:
         self._handles.pop(e.handle, None)

@@ -475,9 +475,8 @@ class SimulatorInterpreter(HeldState):
             if isinstance(file, Reason):
                 return [done.BlocksPrefetched(tuple(read), seconds, part.entry, file,
                                               tuple(p.entry for p in e.parts[at + 1:]))]
-            self._ram[part.entry] = SimCaches(packed(file.content), self.model)
-            if isinstance(part.saved, fx.SnapshotName):
-                self._snapshots.add(part.entry)
+            self._ahead[part.entry] = (SimCaches(packed(file.content), self.model),
+                                       isinstance(part.saved, fx.SnapshotName))
             read.append(part.entry)
             seconds += self._read_seconds(file)
         return [done.BlocksPrefetched(tuple(read), seconds)]

@@ -50,7 +50,7 @@ def ram_is_consistent(service):
     state = service.state
     held = {e.id for e in state.entries.values() if e.residence in IN_RAM}
     reading = sum(e.nbytes for e in state.entries.values() if e.residence is Residence.PREFETCHING)
-    assert service.interpreter.ram_entries() == held
+    assert service.interpreter.ram_entries() == held and not service.interpreter.ahead_entries()
     assert state.ram.bytes == sum(state.entries[i].nbytes for i in held) + reading
 
 
@@ -123,3 +123,13 @@ def test_a_read_that_lands_after_what_it_extends_left_ram_is_not_taken_up_and_le
     chain = [e for e in service.state.entries.values() if e.namespace == "default" and e.tokens[:1] == (100,)]
     assert sorted(e.residence.value for e in chain) == ["disk"] * 3
     ram_is_consistent(service)
+
+
+def test_a_read_ahead_slower_than_prefilling_what_it_adds_is_not_started():
+    service, disk = saved_then_restarted()
+    assert service.prefetch(PROMPT[:BLOCK] + (1,)) is True  # the first block: the read's pace is measured
+    service.measure_prefill(10**9, 1.0)  # a prefill far faster than any read of the rest
+    passed_up = service.report().restores_passed_up
+    assert service.prefetch(PROMPT + (1,)) is False
+    assert service.report().restores_passed_up == passed_up + 1
+    assert residences(service) == [Residence.BOTH, Residence.DISK, Residence.DISK]

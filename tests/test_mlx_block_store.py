@@ -50,6 +50,15 @@ def turn(service, model, prompt, namespace="n"):
     return state, logits
 
 
+def published_then_restarted(model, config, directory, prompt, **options):
+    """A service on ``directory`` after another kept ``prompt`` there, made it durable and closed."""
+    first = service_for(model, config, directory)
+    turn(first, model, prompt)
+    assert first.flush().durable
+    first.close()
+    return service_for(model, config, directory, **options)
+
+
 def assert_recomputed(model, prompt, logits):
     want = last_logits(model, prompt, make_prompt_cache(model))
     assert float(mx.abs(logits - want).max()) <= TOLERANCE
@@ -103,12 +112,8 @@ def test_a_conversation_writes_each_block_once(llama, tmp_path):
 
 def test_after_a_restart_blocks_are_restored_from_disk_and_continue_as_a_recompute(llama, tmp_path):
     model, config = llama
-    first = service_for(model, config, tmp_path)
     prompt = tuple(range(7, 7 + 4 * SIZE + 9))
-    turn(first, model, prompt)
-    assert first.flush().durable
-    first.close()
-    again = service_for(model, config, tmp_path)
+    again = published_then_restarted(model, config, tmp_path, prompt)
     assert again.scan_result.kept == len(spans(len(prompt), SIZE))
     longer = prompt + (200, 201)
     state, logits = turn(again, model, longer)
@@ -124,12 +129,8 @@ def test_after_a_restart_blocks_are_restored_from_disk_and_continue_as_a_recompu
 
 def test_a_chain_read_ahead_from_disk_serves_the_next_request_from_ram_as_a_recompute(llama, tmp_path):
     model, config = llama
-    first = service_for(model, config, tmp_path)
     prompt = tuple(range(9, 9 + 3 * SIZE + 5))
-    turn(first, model, prompt)
-    assert first.flush().durable
-    first.close()
-    again = service_for(model, config, tmp_path)
+    again = published_then_restarted(model, config, tmp_path, prompt)
     assert again.prefetch(prompt + (1,), "n") is True
     assert again.report().prefetches == 1 and again.report().bytes_read > 0
     read = again.report().bytes_read
@@ -146,12 +147,8 @@ def test_a_read_ahead_on_the_reader_thread_lands_at_a_poll_and_rejects_a_damaged
     completion is taken): the blocks before a damaged one come into RAM, the damaged one is rejected
     and moved aside, and the one after it, which serves nothing without it, is forgotten."""
     model, config = llama
-    first = service_for(model, config, tmp_path)
     prompt = tuple(range(11, 11 + 3 * SIZE + 5))
-    turn(first, model, prompt)
-    assert first.flush().durable
-    first.close()
-    again = service_for(model, config, tmp_path, background_writes=True)
+    again = published_then_restarted(model, config, tmp_path, prompt, background_writes=True)
     entries = sorted((e for e in again.state.entries.values() if e.is_block), key=lambda e: e.start)
     path = again.interpreter.store.block_path(_name(again, entries[2]))
     data = bytearray(path.read_bytes())

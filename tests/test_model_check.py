@@ -488,6 +488,7 @@ class TieredServiceMachine(BaseMachine):
         state = self.service.state
         assert self.service.interpreter.ram_entries() == {
             e.id for e in state.entries.values() if e.residence in IN_RAM}
+        assert not self.service.interpreter.ahead_entries()  # what was read ahead is settled, one way or the other
 
     @rule(count=st.integers(1, 4))
     def writes_complete(self, count):
@@ -535,14 +536,15 @@ class TieredServiceMachine(BaseMachine):
                 assert entry.residence is not Residence.SPILLING or entry.demote
             elif entry.residence is Residence.RAM:  # written, unless the write queue has no room for it
                 # (and for the unwritten blocks it extends: a block is written after its parent), or the
-                # disk has none that anything saved could make (all of it being written)
+                # disk has none that evicting everything saved could make (the rest being written)
                 saved = [e for e in state.entries.values() if e.residence in (Residence.BOTH, Residence.DISK)]
                 unwritten, at = [], entry
                 while at is not None and at.residence is Residence.RAM:
                     unwritten.append(at)
                     at = state.entries.get(at.parent) if at.parent is not None else None
                 assert (any(state.writes.bytes + e.nbytes > state.config.write_queue_bytes for e in unwritten)
-                        or (state.disk.bytes + sum(e.file_bytes for e in unwritten) > DISK and not saved))
+                        or state.disk.bytes - sum(e.file_bytes for e in saved)
+                        + sum(e.file_bytes for e in unwritten) > DISK)
 
     @rule(prompt=BaseMachine.prompts, namespace=st.sampled_from(["x", "y"]))
     def prefetch(self, prompt, namespace):

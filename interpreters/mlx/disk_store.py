@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -476,6 +477,11 @@ class DiskStore:
         I/O error or a short read is tried once more from a fresh open before the
         file is rejected; whatever goes wrong, the caller hears :class:`RejectedFile`.
         """
+        return self._opened(path, functools.partial(self._load_open, path))
+
+    def _opened(self, path: Path, read: Callable[[BinaryIO], Any]) -> Any:
+        """``read`` of the file at ``path``, opened: an I/O error or a short read is tried once more from
+        a fresh open; a file that cannot be trusted is moved aside (:class:`RejectedFile`)."""
         for attempt in (1, 2):
             try:
                 file = self._open(path)
@@ -485,7 +491,7 @@ class DiskStore:
                 raise
             with file:
                 try:
-                    return self._load_open(path, file)
+                    return read(file)
                 except RejectedFile as rejected:
                     if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
                         continue
@@ -493,19 +499,25 @@ class DiskStore:
                     raise
         raise AssertionError("unreachable")
 
+    @staticmethod
+    def _read_whole(path: Path, file: BinaryIO, data: np.ndarray) -> None:
+        """The open ``file``, all of it, into ``data`` (as large as the file); an I/O error or a short read
+        is :class:`RejectedFile` with ``IO_ERROR``."""
+        try:
+            file.seek(0)
+            got = file_io.read_into(file, memoryview(data))
+        except (OSError, ValueError) as error:
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
+        if got != len(data):
+            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {got} of its {len(data)} bytes")
+
     def _load_open(self, path: Path, file: BinaryIO) -> tuple[SavedFile, list]:
         described, metadata, tensors = self._describe(path, file)
         if self.loader == "mlx":
             return described, self._load_by_mlx(path, file, metadata, tensors)
         size = os.fstat(file.fileno()).st_size
         with self._reads.take(size) as data:
-            try:
-                file.seek(0)
-                got = file_io.read_into(file, memoryview(data))
-            except (OSError, ValueError) as error:
-                raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
-            if got != size:
-                raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {got} of its {size} bytes")
+            self._read_whole(path, file, data[:size])
             try:
                 return described, self._decode(path, data, metadata, tensors)
             except RejectedFile:
@@ -687,38 +699,16 @@ class DiskStore:
         the thread that takes them). :class:`RejectedFile` (moved aside) if it cannot be trusted; an
         I/O error or a short read is tried once more from a fresh open."""
         path = self._path_of(name)
-        for attempt in (1, 2):
-            try:
-                file = self._open(path)
-            except RejectedFile as rejected:
-                if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
-                    continue
-                raise
-            with file:
-                try:
-                    read = self._read_ahead_open(name, path, file)
-                except RejectedFile as rejected:
-                    if rejected.reason is FailureReason.IO_ERROR and attempt == 1:
-                        continue
-                    self._reject(path, file, rejected)
-                    raise
-            _touch(path)
-            return read
-        raise AssertionError("unreachable")
+        read = self._opened(path, functools.partial(self._read_ahead_open, name, path))
+        _touch(path)
+        return read
 
     def _read_ahead_open(self, name: BlockName | SnapshotName, path: Path, file: BinaryIO) -> "ReadAhead":
         described, metadata, tensors = self._describe(path, file)
         if described.block != name:
             raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: holds other state than its name says")
-        size = os.fstat(file.fileno()).st_size
-        data = np.empty(size, dtype=np.uint8)
-        try:
-            file.seek(0)
-            got = file_io.read_into(file, memoryview(data))
-        except (OSError, ValueError) as error:
-            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: {error}") from None
-        if got != size:
-            raise RejectedFile(FailureReason.IO_ERROR, f"{path.name}: read {got} of its {size} bytes")
+        data = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
+        self._read_whole(path, file, data)
         if self.verify:
             self._verify(path, metadata, _slices_of(data, tensors))
         return ReadAhead(path, metadata, tensors, data)

@@ -410,8 +410,8 @@ class MlxInterpreter(HeldState):
         return self._take_read(job())
 
     def _take_read(self, read: "_PartsRead") -> list:
-        """The parts a read ahead verified, their arrays built here and held as their entries, in order,
-        up to the first that failed (or fails to build); the completion that says so."""
+        """The parts a read ahead verified, their arrays built here, in order, up to the first that
+        failed (or fails to build), held until the core settles them; the completion that says so."""
         store, taken = self._store(), []
         failed, reason = read.failed, read.reason
         for part, raw in read.parts:
@@ -424,9 +424,7 @@ class MlxInterpreter(HeldState):
             # Scheduled now, on this thread's stream (the one that asked for the read), without a wait.
             mx.async_eval(mlx_caches.arrays_of([c for c in held if c is not None]) if snapshot
                           else [array for layer in held for array in layer.values()])
-            self._ram[part.entry] = held
-            if snapshot:
-                self._snapshots.add(part.entry)
+            self._ahead[part.entry] = (held, snapshot)
             taken.append(part.entry)
         entries = [part.entry for part in read.effect.parts]
         unread = tuple(entries[entries.index(failed) + 1:]) if failed is not None else ()
