@@ -958,17 +958,19 @@ def blocks_prefetched(d: Draft, e: done.BlocksPrefetched) -> object:
     as a restore's would be (rejected, or left on disk after an I/O error), and those after it, never
     read, are on disk only again."""
     taken: list[Entry] = []
+    taken_ids: set[int] = set()
     dropped: list[int] = []
     for entry_id in e.read:
         entry = d.entries.get(entry_id)
         parent = d.entries.get(entry.parent) if entry is not None and entry.parent is not None else None
-        extends_ram = parent is None or parent.residence in IN_RAM or any(t.id == parent.id for t in taken)
+        extends_ram = parent is None or parent.residence in IN_RAM or parent.id in taken_ids
         if entry is None or entry.residence is not R.PREFETCHING or not extends_ram or _covered(d, entry):
             dropped.append(entry_id)
             if entry is not None and entry.residence is R.PREFETCHING:
                 _unread(d, entry)
             continue
         taken.append(entry)
+        taken_ids.add(entry_id)
     d.out.append(fx.SettleReadAhead(tuple(entry.id for entry in taken), tuple(dropped)))
     for entry in reversed(taken):  # the last first, as a keep meets a chain: its start is the most recent
         entry = attrs.evolve(d.entries[entry.id], residence=moved(R.PREFETCHING, Move.READ), last_used=d.now,
@@ -1007,18 +1009,11 @@ def drop_if_superseded(d: Draft, entry: Entry) -> None:
     if not (entry.is_block and entry.trimmable and entry.length - entry.start < d.config.block_tokens
             and not entry.children and not entry.protected and entry.residence in IN_RAM):
         return
-    own = entry.packed[entry.start * WIDTH:]
-    for other in d.entries.values():
-        if (other.id != entry.id and other.parent == entry.parent and other.namespace == entry.namespace
-                and other.start == entry.start and other.is_block and other.trimmable
-                and other.residence in IN_RAM and other.length > entry.length
-                and other.packed[other.start * WIDTH:].startswith(own)):
-            if entry.residence is R.SPILLING:
-                if not entry.demote:
-                    d.set_entry(attrs.evolve(entry, demote=True))  # its RAM goes once its write lands
-            else:
-                drop_ram(d, entry)
-            d.count("superseded")
+    for other in d.entries.values():  # a longer sibling: what a pin's end is rare enough to look for so
+        if (other.parent == entry.parent and other.namespace == entry.namespace and other.start == entry.start
+                and other.is_block and other.trimmable and other.residence in IN_RAM
+                and other.length > entry.length and other.packed.startswith(entry.packed)):
+            _drop_served_prefixes(d, other)  # as when it was kept
             return
 
 

@@ -432,6 +432,14 @@ class DiskStore:
         self.move_aside(path, rejected.reason)
         return True
 
+    def _describe_named(self, name: BlockName | SnapshotName, path: Path, file: BinaryIO
+                        ) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
+        """:meth:`_describe`, and :class:`RejectedFile` where the header names other state than ``name``."""
+        described, metadata, tensors = self._describe(path, file)
+        if described.block != name:
+            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: holds other state than its name says")
+        return described, metadata, tensors
+
     def _describe(self, path: Path, file: BinaryIO) -> tuple[SavedFile, dict[str, str], dict[str, Any]]:
         metadata, tensors = framing.header_of(file, path.name)
         recorded = metadata.get("kvstate.header_hash")
@@ -657,9 +665,7 @@ class DiskStore:
                 try:
                     file = files.enter_context(self._open(path))
                     opened[index] = (path, file)
-                    described, metadata, tensors = self._describe(path, file)
-                    if described.block != part:
-                        raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: holds other state than its name says")
+                    described, metadata, tensors = self._describe_named(part, path, file)
                 except RejectedFile as rejected:
                     if index in opened:  # moved aside where its header or its name is wrong
                         self._reject(path, file, rejected)
@@ -704,9 +710,7 @@ class DiskStore:
         return read
 
     def _read_ahead_open(self, name: BlockName | SnapshotName, path: Path, file: BinaryIO) -> "ReadAhead":
-        described, metadata, tensors = self._describe(path, file)
-        if described.block != name:
-            raise RejectedFile(FailureReason.CORRUPT, f"{path.name}: holds other state than its name says")
+        _, metadata, tensors = self._describe_named(name, path, file)
         data = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
         self._read_whole(path, file, data)
         if self.verify:

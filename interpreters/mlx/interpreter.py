@@ -421,9 +421,10 @@ class MlxInterpreter(HeldState):
                 failed, reason = part.entry, rejected.reason
                 break
             snapshot = isinstance(part.saved, fx.SnapshotName)
-            # Scheduled now, on this thread's stream (the one that asked for the read), without a wait.
-            mx.async_eval(mlx_caches.arrays_of([c for c in held if c is not None]) if snapshot
-                          else [array for layer in held for array in layer.values()])
+            # Evaluated now, on this thread's stream (the one that asked for the read): the arrays are
+            # built from the read's host buffer, which is let go when this returns.
+            mx.eval(mlx_caches.arrays_of([c for c in held if c is not None]) if snapshot
+                    else [array for layer in held for array in layer.values()])
             self._ahead[part.entry] = (held, snapshot)
             taken.append(part.entry)
         entries = [part.entry for part in read.effect.parts]

@@ -88,8 +88,10 @@ class BatchAdmission:
         self._snapshotted: dict[int, int] = {}   # batch uid -> the tokens its last chunk snapshot covered
         self.service = cache.service
         self.share_wait_s = share_wait_s
-        #: Whether a request's saved blocks are read ahead when it arrives (state kept in blocks).
-        self.reads_ahead = cache.service.config.block_tokens is not None and cache.service.config.has_disk
+        #: Whether a request's saved blocks are read ahead when it arrives. Off: on the MLX interpreter a
+        #: request served from blocks read ahead now and then continues wrongly (tests/test_mlx_block_store.py,
+        #: the read-ahead tests, marked as the known failure they are) until that is found and mended.
+        self.reads_ahead = False
         self.min_shared_tokens = min_shared_tokens
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
@@ -151,10 +153,10 @@ class BatchAdmission:
             arrival.read_deadline = time.monotonic() + READ_AHEAD_WAIT_S
 
     def _waits_for_reads(self, arrival: Arrival) -> bool:
-        """Whether the request still waits for its blocks read ahead (which land at a ``collect``)."""
+        """Whether the request still waits for its blocks read ahead (landed by the ``collect`` of
+        :meth:`_next_in_line`)."""
         if arrival.read_deadline is None:
             return False
-        self.service.collect()
         if time.monotonic() < arrival.read_deadline and self.service.reading_ahead(arrival.prompt, arrival.namespace):
             return True
         arrival.read_deadline = None
@@ -164,6 +166,8 @@ class BatchAdmission:
         """The verdict on the first waiting request that is not waiting for a shared prefix, and that
         request: a request whose prefix is being computed lets the ones behind it go first (they do
         not share it), while room is first come, first served."""
+        if any(arrival.read_deadline is not None for arrival in self._waiting):
+            self.service.collect()  # reads ahead that are done land now
         for arrival in self._waiting:
             if self._waits_for_reads(arrival) or self._waits_for_shared_prefix(arrival):
                 continue
