@@ -127,9 +127,6 @@ def test_after_a_restart_blocks_are_restored_from_disk_and_continue_as_a_recompu
     again.close()
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: a request served from blocks read ahead on the MLX interpreter "
-                   "now and then continues wrongly (NaN or off logits) though its caches hold the right values; "
-                   "kvstate serve does not read ahead until it is mended")
 def test_a_chain_read_ahead_from_disk_serves_the_next_request_from_ram_as_a_recompute(llama, tmp_path):
     model, config = llama
     prompt = tuple(range(9, 9 + 3 * SIZE + 5))
@@ -137,7 +134,7 @@ def test_a_chain_read_ahead_from_disk_serves_the_next_request_from_ram_as_a_reco
     assert again.prefetch(prompt + (1,), "n") is True
     assert again.report().prefetches == 1 and again.report().bytes_read > 0
     read = again.report().bytes_read
-    longer = prompt + (300, 301)
+    longer = prompt + (200, 201)
     state, logits = turn(again, model, longer)
     assert state.source is Source.RAM and state.reused_tokens == len(prompt)
     assert again.report().bytes_read == read  # served from what was read ahead
@@ -145,9 +142,6 @@ def test_a_chain_read_ahead_from_disk_serves_the_next_request_from_ram_as_a_reco
     again.close()
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: a request served from blocks read ahead on the MLX interpreter "
-                   "now and then continues wrongly (NaN or off logits) though its caches hold the right values; "
-                   "kvstate serve does not read ahead until it is mended")
 def test_a_read_ahead_on_the_reader_thread_lands_at_a_poll_and_rejects_a_damaged_block(llama, tmp_path):
     """Blocks read ahead on the reader thread (files read and verified there, arrays built where the
     completion is taken): the blocks before a damaged one come into RAM, the damaged one is rejected
@@ -252,6 +246,13 @@ def edit_then_restart(service, model, config, directory, prompt, chunk):
     assert state.source is Source.DISK and state.reused_tokens == len(prompt)
     assert_recomputed(model, regenerate, logits)
     again.close()
+    # Read ahead instead: the chain's blocks and its snapshot come into RAM before the request.
+    ahead = service_for(model, config, directory)
+    assert ahead.prefetch(regenerate, "n") is True
+    state, logits = turn(ahead, model, regenerate)
+    assert state.source is Source.RAM and state.reused_tokens == len(prompt)
+    assert_recomputed(model, regenerate, logits)
+    ahead.close()
 
 
 def test_a_hybrid_model_reuses_up_to_the_last_chunk_snapshot_before_a_divergence(hybrid, tmp_path):

@@ -88,10 +88,8 @@ class BatchAdmission:
         self._snapshotted: dict[int, int] = {}   # batch uid -> the tokens its last chunk snapshot covered
         self.service = cache.service
         self.share_wait_s = share_wait_s
-        #: Whether a request's saved blocks are read ahead when it arrives. Off: on the MLX interpreter a
-        #: request served from blocks read ahead now and then continues wrongly (tests/test_mlx_block_store.py,
-        #: the read-ahead tests, marked as the known failure they are) until that is found and mended.
-        self.reads_ahead = False
+        #: Whether a request's saved blocks are read ahead when it arrives (state kept in blocks).
+        self.reads_ahead = cache.service.config.block_tokens is not None and cache.service.config.has_disk
         self.min_shared_tokens = min_shared_tokens
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
