@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from kvstate import KvCacheService
 from kvstate.interpreters.serving.batch_admission import BatchAdmission
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
@@ -38,3 +40,57 @@ def test_a_request_waiting_for_a_shared_prefix_lets_unrelated_ones_go_first():
     assert admission.next_admitted(take, tokenize, 0) is b
     assert admission.shared_waits == 1 and [w.item for w in admission._waiting] == [a]
     assert service.report().live_requests == 2  # the row's lease and B's; A holds nothing while it waits
+
+
+def _restarted_with_saved_blocks(prompt):
+    """A simulated service in blocks of 4 whose disk holds ``prompt``'s blocks and whose RAM holds none
+    (a restart), and whose reads ahead land when the caller collects them."""
+    from kvstate import Request, SimCaches
+    from kvstate.interpreters.simulator import SimDisk
+    disk = SimDisk()
+
+    def service():
+        return KvCacheService.simulated(SPEC, ram_bytes=BUDGET * 8, disk_bytes=BUDGET * 64, block_tokens=4,
+                                        interpreter_options={"disk": disk, "deferred_reads": True})
+    first = service()
+    lease = Request(prompt, 1)
+    first.acquire(lease)
+    first.publish(lease, "default", prompt, SimCaches(prompt, SPEC))
+    first.release(lease)
+    assert first.close().durable
+    return service()
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "no-read-ahead"])
+def test_saved_blocks_are_read_ahead_only_when_asked_and_the_batch_is_busy(read_ahead):
+    """With ``read_ahead``, a request whose state only the disk holds has it read into RAM while a batch
+    runs (it waits for the read, not the generation thread); arriving at an idle batch it is admitted at
+    once and restores its own state, as every request does without ``read_ahead``."""
+    saved = list(range(1, 13))
+    service = _restarted_with_saved_blocks(tuple(saved))
+    admission = BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=0.0, read_ahead=read_ahead)
+    idle, busy, row = saved + [40, 41], saved + [50, 51], list(range(200, 230))
+    items = {}
+
+    def item(prompt):
+        server_item = (SimpleNamespace(put=lambda _: None), SimpleNamespace(), SimpleNamespace(max_tokens=4))
+        items[id(server_item)] = prompt
+        return server_item
+
+    def tokenize(server_item):
+        prompt = items[id(server_item)]
+        return (prompt, [prompt], ["user"], "normal", None)
+    arrivals = [item(idle)]
+
+    def take(timeout):
+        return arrivals.pop(0) if arrivals else None
+    assert admission.next_admitted(take, tokenize, 0) is not None
+    assert service.report().prefetches == 0  # the batch was idle: nothing to overlap a read with
+    admission._end_unplaced()
+    arrivals.append(item(row))
+    assert admission.next_admitted(take, tokenize, 0) is not None
+    admission.placed([1], segments=[[row]], cached=[[]])  # a row runs in the batch now
+    arrivals.append(item(busy))
+    assert admission.next_admitted(take, tokenize, 0) is not None
+    assert service.report().prefetches == (1 if read_ahead else 0)
+    assert service.peek_prefix_len(busy, "default") == (len(saved) if read_ahead else 0)

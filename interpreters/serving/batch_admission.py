@@ -80,7 +80,8 @@ class BatchAdmission:
     """
 
     def __init__(self, cache: KvStatePromptCache, share_wait_s: float = 5.0,
-                 min_shared_tokens: int = MIN_SHARED_TOKENS, snapshot_every: int | None = None):
+                 min_shared_tokens: int = MIN_SHARED_TOKENS, snapshot_every: int | None = None,
+                 read_ahead: bool = False):
         self.cache = cache
         #: Where a model's layers cannot all be cut into blocks: a row's state is kept as a snapshot
         #: whenever its prefill passes a multiple of this many tokens (None: at segment ends only).
@@ -88,8 +89,11 @@ class BatchAdmission:
         self._snapshotted: dict[int, int] = {}   # batch uid -> the tokens its last chunk snapshot covered
         self.service = cache.service
         self.share_wait_s = share_wait_s
-        #: Whether a request's saved blocks are read ahead when it arrives (state kept in blocks).
-        self.reads_ahead = cache.service.config.block_tokens is not None and cache.service.config.has_disk
+        #: Whether a request's saved blocks are read ahead when it arrives (asked for, with state kept in
+        #: blocks on a disk tier). Off by default: on a GPU the read ahead, which builds each block's arrays
+        #: from its own file, cost more than the restore it replaces (``bench/README.md``).
+        self.reads_ahead = (read_ahead and cache.service.config.block_tokens is not None
+                            and cache.service.config.has_disk)
         self.min_shared_tokens = min_shared_tokens
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
@@ -147,6 +151,8 @@ class BatchAdmission:
         joins the batch with its state in memory (it waits for them at most ``READ_AHEAD_WAIT_S``)."""
         if not self.reads_ahead or arrival.tokenized is None:
             return
+        if not self._rows and not self._waiting:
+            return  # it is admitted now, with nothing to overlap a read with: its own restore is sooner
         if self.service.prefetch(arrival.prompt, arrival.namespace):
             arrival.read_deadline = time.monotonic() + READ_AHEAD_WAIT_S
 

@@ -307,6 +307,11 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "publish instead of computing the prefix again (0: never wait; default "
                              f"{SHARED_PREFIX_WAIT_S:g}, or 0 on CUDA, where a batched prefill of a few rows costs "
                              "about one row's)")
+    parser.add_argument("--read-ahead", action="store_true",
+                        help="with state in blocks on a disk tier, start reading a request's saved blocks into "
+                             "RAM when it arrives while the batch is busy, off the generation thread; it joins "
+                             "the batch once they are in RAM (default: off; a request restores its own state "
+                             "when admitted)")
     parser.add_argument("--disk-write-idle", type=float, default=None, metavar="SECONDS",
                         help="write kept state to disk only once it has sat idle this long, so state a later "
                              "turn supersedes soon is never written (default: written when kept)")
@@ -404,7 +409,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         wait = options.shared_prefix_wait if options.shared_prefix_wait is not None else default_shared_prefix_wait()
         # Chunk snapshots are for models whose layers cannot all be cut: blocks serve any prefix of the others.
         snapshot_every = None if mlx_blocks.blockable(cache.service.interpreter.fresh()) else options.snapshot_every
-        admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=snapshot_every or None)
+        admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=snapshot_every or None,
+                                   read_ahead=options.read_ahead)
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
