@@ -10,7 +10,11 @@ paces from what it is told, as events (the core reads no clock):
   ``PrefetchDone.seconds``): seconds per byte read back;
 - the serving loop reports its prefill (``PrefillMeasured``): seconds per token.
 
-Each pace is a moving average (weight :data:`SMOOTHING` on the newest sample).
+Each pace is a moving ratio: the seconds of the samples over what they moved (bytes, tokens), both
+sums decayed by :data:`SMOOTHING` at each new sample. So recent samples count more, and large ones
+more than small: a read of a few kilobytes or a prefill of one token is mostly fixed costs, and a
+per-byte average of such samples would make every large read look slow (on a GPU, a 4 MB warm-up
+read put the pace of an 880 MB restore at three times what it took, and the rule passed it up).
 While either is unknown every read is taken. Once both are known, a disk entry
 serves a request only where reading its file is faster than prefilling the
 tokens it adds over what RAM holds, and a kept entry is written to disk only
@@ -29,12 +33,12 @@ from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.state import Pace, ServiceState
 
-#: The weight of the newest sample in each moving average.
+#: How much of the sums the newest sample decays: earlier samples keep 1 - SMOOTHING of their weight.
 SMOOTHING = 0.25
 
 
-def _average(old: float | None, sample: float) -> float:
-    return sample if old is None else old + SMOOTHING * (sample - old)
+def _decayed(total: float, sample: float) -> float:
+    return (1.0 - SMOOTHING) * total + sample
 
 
 def _check(value: object, what: str) -> float:
@@ -47,8 +51,9 @@ def read_measured(d: Draft, file_bytes: int, seconds: float | None) -> None:
     """A read of ``file_bytes`` took ``seconds`` (None: the interpreter does not time its reads)."""
     if seconds is None or file_bytes <= 0:
         return
-    sample = _check(seconds, "a read's seconds") / file_bytes
-    d.pace = attrs.evolve(d.pace, read_s_per_byte=_average(d.pace.read_s_per_byte, sample))
+    seconds = _check(seconds, "a read's seconds")
+    d.pace = attrs.evolve(d.pace, read_seconds=_decayed(d.pace.read_seconds, seconds),
+                          read_bytes=_decayed(d.pace.read_bytes, file_bytes))
 
 
 def prefill_measured(state: ServiceState, e: ev.PrefillMeasured) -> Step:
@@ -58,7 +63,8 @@ def prefill_measured(state: ServiceState, e: ev.PrefillMeasured) -> Step:
     if tokens == 0 or seconds == 0:  # nothing prefilled, or a clock too coarse to see it: no measure
         return Step(state, (), None)
     d = Draft(state)
-    d.pace = attrs.evolve(d.pace, prefill_s_per_token=_average(d.pace.prefill_s_per_token, seconds / tokens))
+    d.pace = attrs.evolve(d.pace, prefill_seconds=_decayed(d.pace.prefill_seconds, seconds),
+                          prefill_tokens=_decayed(d.pace.prefill_tokens, tokens))
     return d.step(None)
 
 

@@ -437,11 +437,23 @@ class Writes:
 
 @attrs.frozen
 class Pace:
-    """Measured seconds to read back one byte of saved state and to prefill one token (None: not yet
-    measured); :mod:`~kvstate.core.pace` learns and uses them."""
+    """What reads of saved state and prefills took, as decayed sums of seconds and of what they moved
+    (bytes read, tokens prefilled); :mod:`~kvstate.core.pace` learns and uses them."""
 
-    read_s_per_byte: float | None = None
-    prefill_s_per_token: float | None = None
+    read_seconds: float = 0.0
+    read_bytes: float = 0.0
+    prefill_seconds: float = 0.0
+    prefill_tokens: float = 0.0
+
+    @property
+    def read_s_per_byte(self) -> float | None:
+        """Seconds to read back one byte (None: no read measured yet)."""
+        return self.read_seconds / self.read_bytes if self.read_bytes else None
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """Seconds to prefill one token (None: no prefill measured yet)."""
+        return self.prefill_seconds / self.prefill_tokens if self.prefill_tokens else None
 
 
 @attrs.frozen

@@ -152,10 +152,10 @@ def test_a_bad_prefill_measure_is_refused_and_changes_nothing(tokens, seconds):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(1e-7, 1e-2), min_size=1, max_size=6),
        st.sampled_from([1e8, 1e9, 1e10]), st.integers(20, 240))
-def test_the_choice_follows_the_paces_as_a_plain_average_of_the_samples_gives_them(prefill_samples, read_rate,
+def test_the_choice_follows_the_paces_as_decayed_sums_of_the_samples_give_them(prefill_samples, read_rate,
                                                                                     length):
-    """The reference: fold each pace's samples with the documented weight, then compare the seconds
-    of reading the file with those of prefilling its tokens."""
+    """The reference: fold each pace's samples into decayed sums of seconds and tokens, as documented,
+    then compare the seconds of reading the file with those of prefilling its tokens."""
     service = KvCacheService.simulated(
         SPEC, ram_bytes=SPEC.bytes_for(250), disk_bytes=SPEC.bytes_for(4000),
         interpreter_options={"disk": SimDisk(), "cost": CostModel(restore_bytes_per_second=read_rate)})
@@ -166,9 +166,10 @@ def test_the_choice_follows_the_paces_as_a_plain_average_of_the_samples_gives_th
     evicted_to_disk(service, prompt)  # written while the prefill pace is unknown
     for per_token in prefill_samples:
         service.measure_prefill(1000, 1000 * per_token)
-    prefill = prefill_samples[0]
-    for sample in prefill_samples[1:]:
-        prefill = 0.75 * prefill + 0.25 * sample
+    seconds = tokens = 0.0
+    for sample in prefill_samples:  # each sample 1,000 tokens: the sums decay by a quarter a sample
+        seconds, tokens = 0.75 * seconds + 1000 * sample, 0.75 * tokens + 1000
+    prefill = seconds / tokens
     entry = next(e for e in service.state.entries.values() if e.tokens == prompt)
     read = service.state.pace.read_s_per_byte
     assert read == pytest.approx(1 / read_rate, rel=1e-9)
@@ -212,3 +213,23 @@ def test_idle_state_that_could_never_pay_back_its_read_is_not_written_and_not_co
     after = service.report()
     assert after.bytes_written == before.bytes_written and after.spills == before.spills
     assert after.spills_passed_up == before.spills_passed_up  # a wait, tried again each tick, is not a decision
+
+
+def test_a_small_read_mostly_fixed_costs_does_not_make_a_large_one_look_slow():
+    """As on a GPU after a restart: a warm-up read of 4 MB took 12.5 ms (mostly opening and checking the
+    file), then one of 880 MB took 200 ms. The pace weighs each read by what it moved, so the next
+    880 MB hit is judged at about what it takes, and taken where its prefill (6,879 tokens at 10,000
+    tokens a second) takes longer; a per-read average would have judged it at two seconds."""
+    from kvstate.core.draft import Draft
+    from kvstate.core.pace import prefill_measured, read_measured, read_pays
+    from kvstate.core import events as ev
+
+    d = Draft(build().state)
+    read_measured(d, 4_000_000, 0.0125)
+    read_measured(d, 880_000_000, 0.200)
+    state = prefill_measured(d.step(None).state, ev.PrefillMeasured(6879, 0.6879)).state
+    weighed = (0.75 * 0.0125 + 0.200) / (0.75 * 4_000_000 + 880_000_000)  # the earlier read decayed by a quarter
+    assert state.pace.read_s_per_byte == pytest.approx(weighed, rel=1e-12)
+    assert 880_000_000 * weighed < 0.21
+    assert read_pays(state.pace, 880_000_000, 6879)
+    assert not read_pays(state.pace, 880_000_000, 1000)  # a hit that saves 0.1 s of prefill does not pay
