@@ -47,6 +47,11 @@ class TraceRequest:
     blocks: tuple[int, ...] = attrs.field(repr=lambda b: f"<{len(b)} blocks>")
     session: str | None = None
     namespace: str = "default"
+    #: The chained ids of the state the server kept after the request (its prompt and its reply), where
+    #: the trace records them (``kvstate serve --record-trace``); None: the prompt's, as in Mooncake's.
+    kept: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    #: The prompt tokens the server reported reused, where the trace records them.
+    cached_tokens: int | None = None
 
 
 @attrs.frozen
@@ -84,16 +89,23 @@ class BlockChainer:
 
 
 def mooncake(path: str | Path) -> Trace:
-    """A Mooncake FAST'25 trace (``timestamp`` ms, ``hash_ids`` already chained), in file order."""
+    """A Mooncake FAST'25 trace (``timestamp`` ms, ``hash_ids`` already chained), in timestamp order (a
+    stable sort: Mooncake's files are in it already; a server's recording is in completion order).
+    A recording's ``kept_ids``, ``cached_tokens`` and ``namespace`` are read where present."""
     def request_of(record: dict) -> TraceRequest:
+        kept = record.get("kept_ids")
+        cached = record.get("cached_tokens")
         return TraceRequest(int(record["timestamp"]) / 1000, int(record["input_length"]),
-                            int(record["output_length"]), tuple(int(h) for h in record["hash_ids"]))
+                            int(record["output_length"]), tuple(int(h) for h in record["hash_ids"]),
+                            namespace=str(record.get("namespace", "default")),
+                            kept=None if kept is None else tuple(int(h) for h in kept),
+                            cached_tokens=None if cached is None else int(cached))
     requests = []
     for number, request in trace_records(path, "Mooncake request", request_of):
         if request.input_length < 1 or not request.blocks:
             raise TraceFormatError(f"{path}:{number}: a request needs input_length >= 1 and hash_ids")
         requests.append(request)
-    return Trace(Path(path).name, tuple(requests))
+    return Trace(Path(path).name, tuple(sorted(requests, key=lambda r: r.arrival)))
 
 
 def kvstate_jsonl(path: str | Path) -> Trace:

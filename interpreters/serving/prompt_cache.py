@@ -68,6 +68,9 @@ class KvStatePromptCache:
         self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
         self._announced: dict[tuple[int, ...], deque[tuple[str | None, PinAsked | None]]] = {}
         self._stats: tuple[float, dict] | None = None
+        #: Told of every request's fetch and of the state kept at the end of its reply, where the server
+        #: records its traffic (:mod:`~kvstate.interpreters.serving.trace_recording`); None: not recorded.
+        self.recorder: Any = None
         config = service.config
         # The clock reaches the service only where a rule reads it (idle writes, idle demotion).
         self._clocked = config.write_idle_after is not None or config.demote_idle_after is not None
@@ -140,6 +143,8 @@ class KvStatePromptCache:
         self.service.boundary()
         logging.info("kvstate: fetch of %d tokens reused %d (%s) in %.1f ms", len(tokens), state.reused_tokens,
                      state.source.name.lower(), 1e3 * (time.perf_counter() - started))
+        if self.recorder is not None:
+            self.recorder.fetched(namespace, key, state.reused_tokens)
         if state.reused_tokens == 0:
             return None, tokens
         return state.caches, tokens[state.reused_tokens:]
@@ -155,11 +160,14 @@ class KvStatePromptCache:
             logging.info("kvstate: %s state of %d tokens not kept: no request announced it (its namespace is "
                          "not known)", cache_type, len(key))
             return
+        recorded = self.recorder is not None and cache_type == "assistant"
         if len(prompt_cache) != len(self.service.config.model.layers):
             # a draft model's caches ride behind the model's: kvstate's geometry has no place for them
             logging.info("kvstate: %s state of %d tokens not kept: %d cache layers, the model has %d (a draft "
                          "model's caches are not kept)", cache_type, len(key), len(prompt_cache),
                          len(self.service.config.model.layers))
+            if recorded:
+                self.recorder.answered(namespace, tuple(tokens), 0)  # answered; nothing of it kept
             return
         self._tick()
         started = time.perf_counter()
@@ -169,6 +177,8 @@ class KvStatePromptCache:
             if covered > len(key) or covered == 0:
                 return
             key = key[:covered]
+        if recorded:
+            self.recorder.answered(namespace, tuple(tokens), len(key))
         request = Request(key, 1)
         try:
             kept = self.service.publish(request, namespace, key, prompt_cache, chunk=cache_type == "chunk")

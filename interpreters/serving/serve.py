@@ -44,6 +44,7 @@ from kvstate.interpreters.serving.pins import (
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
+from kvstate.interpreters.serving.trace_recording import TraceRecorder
 
 #: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
 SUPPORTED_MLX_LM = ((0, 32),)
@@ -312,6 +313,10 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "RAM when it arrives while the batch is busy, off the generation thread; it joins "
                              "the batch once they are in RAM (default: off; a request restores its own state "
                              "when admitted)")
+    parser.add_argument("--record-trace", default=None, metavar="PATH",
+                        help="append a line for each request served to this trace, in the bundled traces' "
+                             "format with keyed block ids (the key beside it, PATH.key), for kvstate simulate "
+                             "and kvstate replay (default: none)")
     parser.add_argument("--disk-write-idle", type=float, default=None, metavar="SECONDS",
                         help="write kept state to disk only once it has sat idle this long, so state a later "
                              "turn supersedes soon is never written (default: written when kept)")
@@ -379,9 +384,14 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         max_pin_seconds=options.max_pin_seconds)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     try:
+        if options.record_trace is not None:
+            cache.recorder = TraceRecorder(options.record_trace)
+            logging.info("kvstate: recording requests to %s", options.record_trace)
         for path in options.warm_prompt:
             warm(cache, model, warm_prompt_tokens(Path(path), tokenizer), path)
     except BaseException:
+        if cache.recorder is not None:
+            cache.recorder.close()
         service.close()
         raise
     return cache
@@ -430,6 +440,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         cache = served.get("cache")
         if cache is not None:
+            if cache.recorder is not None:
+                cache.recorder.close()
             result = cache.service.close()
             logging.info("kvstate: closed, %s", json.dumps({"durable": result.durable,
                                                              "ram_only_entries": result.ram_only_entries}))

@@ -1,0 +1,168 @@
+"""The server's own traffic as a request trace (``kvstate serve --record-trace PATH``), for replay.
+
+One JSON line a request, in the bundled traces' format (``interpreters/traces/README.md``), so
+``kvstate simulate PATH`` and ``kvstate replay PATH`` read it as they read those:
+
+```json
+{"timestamp": 1520, "input_length": 1811, "output_length": 8, "hash_ids": [...], "kept_ids": [...],
+ "cached_tokens": 1280, "namespace": "9f3c..."}
+```
+
+- ``timestamp``: when the request's state was fetched, in ms since the recording began (a file
+  appended to after a restart goes on from its last timestamp);
+- ``hash_ids``: one id per 512-token block of the prompt, chained (an id stands for its block and
+  everything before it, and for the request's namespace);
+- ``kept_ids``: the same for the state the server offered to keep at the end (the prompt and the
+  tokens generated, but the last): a replay keeps these, so the next turn's hits are those the
+  server saw;
+- ``cached_tokens``: the prompt tokens the server reused, as it reported them to the client;
+- ``namespace``: a keyed hash of the request's namespace (its tenant).
+
+Ids and namespaces are keyed hashes (BLAKE2b) under a key of the deployment's, kept beside the trace
+in ``PATH.key`` (owner-only; made on first use): without it no prompt can be tested against the
+file, and with one key the ids of every recording agree. Lines are written when a request's reply
+is kept (the prompt, the output), so the file is in completion order; readers sort by timestamp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvstate.interpreters.lab.traces import BLOCK_TOKENS
+
+#: The bytes of a deployment's key.
+KEY_BYTES = 32
+#: Requests fetched and not yet answered, at most: a client that never gets its answer (a disconnect,
+#: an error) must not grow the recorder without end; the oldest is written with no output.
+MAX_PENDING = 4096
+
+
+class TraceKeyUnreadable(OSError):
+    """The deployment's key file beside the trace cannot be read or made, or is not a key."""
+
+
+def deployment_key(path: Path) -> bytes:
+    """The key in ``path``, made (owner-only, random) where there is none."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != KEY_BYTES:
+            raise TraceKeyUnreadable(f"{path} holds {len(key)} bytes, not a trace key of {KEY_BYTES}: restore "
+                                     f"the deployment's key, or record to a new trace") from None
+        return key
+    except OSError as error:
+        raise TraceKeyUnreadable(f"cannot make the trace key {path}: {error}") from None
+    key = os.urandom(KEY_BYTES)
+    with os.fdopen(fd, "wb") as out:
+        out.write(key)
+    return key
+
+
+class TraceHasher:
+    """Chained keyed ids of a prompt's 512-token blocks, and keyed names of namespaces."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+
+    def _digest(self, data: bytes, person: bytes) -> bytes:
+        return hashlib.blake2b(data, key=self._key, digest_size=8, person=person).digest()
+
+    def namespace(self, namespace: str) -> str:
+        return self._digest(namespace.encode(), b"kvst-ns").hex()
+
+    def ids(self, namespace: str, tokens: tuple[int, ...]) -> list[int]:
+        """One id per block of ``tokens`` (the last may be partial), each standing for the block, the
+        blocks before it and the namespace."""
+        parent, out = self._digest(namespace.encode(), b"kvst-root"), []
+        for start in range(0, len(tokens), BLOCK_TOKENS):
+            block = tokens[start:start + BLOCK_TOKENS]
+            parent = self._digest(parent + struct.pack(f"<{len(block)}q", *block), b"kvst-block")
+            out.append(int.from_bytes(parent, "little") >> 1)  # a non-negative 63-bit id
+        return out
+
+
+def _last_timestamp(path: Path) -> int | None:
+    """The timestamp of the last line of an existing trace, or None (none, or empty)."""
+    try:
+        with open(path, "rb") as trace:
+            trace.seek(0, os.SEEK_END)
+            size = trace.tell()
+            trace.seek(max(0, size - 65536))
+            lines = [line for line in trace.read().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["timestamp"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+class TraceRecorder:
+    """Writes a line for each request the server serves: :meth:`fetched` when its state is fetched,
+    :meth:`answered` when the state of its prompt and reply is kept (or :meth:`close` for one never
+    answered). Safe from any thread."""
+
+    def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.monotonic):
+        self.path = Path(path)
+        self._hasher = TraceHasher(deployment_key(Path(f"{self.path}.key")))
+        self._clock = clock
+        last = _last_timestamp(self.path)
+        self._origin = clock() - (0.0 if last is None else (last + 1) / 1000)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[str, tuple[int, ...], int, int]] = {}
+        self._next = 0
+        self.written = 0
+
+    def fetched(self, namespace: str, prompt: tuple[int, ...], cached: int) -> None:
+        """The server fetched state for ``prompt`` in ``namespace`` and reused ``cached`` of its tokens."""
+        stamp = int(round(1000 * (self._clock() - self._origin)))
+        with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                oldest = next(iter(self._pending))
+                self._write(*self._pending.pop(oldest), tokens=None)
+            self._pending[self._next] = (namespace, prompt, cached, stamp)
+            self._next += 1
+
+    def answered(self, namespace: str, tokens: tuple[int, ...], kept: int | None = None) -> None:
+        """A reply in ``namespace`` ended with ``tokens`` (its prompt, then what it generated), and the
+        server offered the state of the first ``kept`` of them (all if None; the last sampled token is
+        not in the caches yet): the request fetched first whose prompt they extend is answered
+        (nothing, if none is waiting)."""
+        with self._lock:
+            for number, (spoken, prompt, _, _) in self._pending.items():
+                if spoken == namespace and len(tokens) >= len(prompt) and tokens[:len(prompt)] == prompt:
+                    self._write(*self._pending.pop(number), tokens=tokens,
+                                kept=max(len(prompt), len(tokens) if kept is None else kept))
+                    return
+
+    def _write(self, namespace: str, prompt: tuple[int, ...], cached: int, stamp: int,
+               tokens: tuple[int, ...] | None, kept: int | None = None) -> None:
+        tokens = tokens if tokens is not None else prompt
+        record = {"timestamp": stamp, "input_length": len(prompt), "output_length": len(tokens) - len(prompt),
+                  "hash_ids": self._hasher.ids(namespace, prompt),
+                  "kept_ids": self._hasher.ids(namespace, tokens[:kept if kept is not None else len(tokens)]),
+                  "cached_tokens": cached, "namespace": self._hasher.namespace(namespace)}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        self.written += 1
+
+    def close(self) -> None:
+        """Write what was fetched and never answered (no output), and close the file. Idempotent."""
+        with self._lock:
+            if self._file.closed:
+                return
+            for pending in self._pending.values():
+                self._write(*pending, tokens=None)
+            self._pending.clear()
+            self._file.close()
