@@ -352,8 +352,12 @@ def main() -> None:
         working_set = int(args.sessions * 2 * words_per_session * 1.5 * per_token)  # about 1.5 tokens a word
         args.overflow_ram_bytes = max(1 << 20, working_set // 4)
     rows = {}
-    for name in args.workloads.split(","):
-        rows[name] = {kind: run_workload(name, kind, model_dir, args, work) for kind in ("kvstate", "stock")}
+    try:
+        for name in args.workloads.split(","):
+            rows[name] = {kind: run_workload(name, kind, model_dir, args, work) for kind in ("kvstate", "stock")}
+    except BaseException:
+        keep_logs(work, args.logs)  # a failed run's logs say why: keep them where asked, and the folder
+        raise
     print(f"geometry {args.geometry}, {mx.default_device()}, sessions {args.sessions}, turns {args.turns}, "
           f"concurrency {args.concurrency}, RAM {args.ram_bytes >> 20} MiB (overflow {args.overflow_ram_bytes >> 20} "
           f"MiB)")
@@ -377,11 +381,16 @@ def main() -> None:
     if args.json:
         rows["compiled_kernels"] = {kind: sorted(names) for kind, names in kernels.items()}
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if args.logs:
-        Path(args.logs).mkdir(parents=True, exist_ok=True)
-        for log in work.glob("*.log"):
-            shutil.copy(log, Path(args.logs) / log.name)
+    keep_logs(work, args.logs)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def keep_logs(work: Path, logs: str | None) -> None:
+    """Copy the servers' logs from ``work`` to ``logs`` (nothing without one)."""
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copy(log, Path(logs) / log.name)
 
 
 if __name__ == "__main__":

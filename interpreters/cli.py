@@ -101,12 +101,11 @@ def _simulate(args: argparse.Namespace) -> int:
         if trace is None:
             return 2
     model = model_spec(args.model)
+    if args.recommend:
+        return _recommend(args, trace, model)
     known = BLOCK_POLICIES if args.granularity == "block" else PREFIX_POLICIES
-    policies = [p.strip().lower() for p in (args.policy or ",".join(known)).split(",") if p.strip()]
-    unknown = [p for p in policies if p not in known]
-    if unknown:
-        print(f"kvstate simulate: {', '.join(unknown)} not available at {args.granularity} granularity; "
-              f"choose from: {', '.join(known)}", file=sys.stderr)
+    policies = _policies(args, known, f"available at {args.granularity} granularity")
+    if policies is None:
         return 2
     try:
         capacities = [lab.parse_capacity(c, args.unit, trace, model) for c in args.capacity.split(",")]
@@ -135,6 +134,52 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(rows)} rows to {args.json}")
     if args.plot:
         lab.plot(rows, most, args.plot, f"{trace.name}: {args.granularity} granularity, {model.name}")
+        print(f"wrote the plot to {args.plot}")
+    return 0
+
+
+def _policies(args: argparse.Namespace, known, what: str) -> list[str] | None:
+    """The policies ``--policy`` names (all of ``known`` by default); None, with a message, for one not
+    among them."""
+    policies = [p.strip().lower() for p in (args.policy or ",".join(known)).split(",") if p.strip()]
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        print(f"kvstate simulate: {', '.join(unknown)} not {what}; choose from: {', '.join(known)}",
+              file=sys.stderr)
+        return None
+    return policies
+
+
+def _recommend(args: argparse.Namespace, trace, model) -> int:
+    """``kvstate simulate --recommend``: the setting of ``kvstate serve`` with the most token hits in
+    the limits, from a replay of every candidate (:mod:`~kvstate.interpreters.lab.recommend`)."""
+    from kvstate.interpreters.lab import recommend
+    from kvstate.interpreters.lab.runs import PREFIX_POLICIES
+
+    if args.ram_limit is None:
+        print("kvstate simulate: --recommend needs --ram-limit SIZE, the most RAM the server may keep state "
+              "in (e.g. 64GiB)", file=sys.stderr)
+        return 2
+    policies = _policies(args, PREFIX_POLICIES, "a policy of kvstate serve")
+    if policies is None:
+        return 2
+    settings = recommend.candidates(args.ram_limit, args.disk_limit, policies)
+    print(f"{len(trace.requests)} requests over {recommend.trace_hours(trace):.2f} h, model {model.name}: "
+          f"{len(settings)} settings, each replayed through the service")
+    scored = recommend.score_all(trace, settings, model, processes=args.processes,
+                                 progress=sys.stderr.isatty() or args.progress)
+    try:
+        chosen = recommend.best(scored, args.write_limit)
+    except recommend.NoSettingFits as error:
+        print(f"kvstate simulate: {error}", file=sys.stderr)
+        return 2
+    belady = recommend.belady_headroom(trace, chosen.setting.ram_bytes, model)
+    print(recommend.table(scored, chosen, args.write_limit))
+    print(f"recommended: {chosen.setting.describe()}: token hit ratio {chosen.token_hit_ratio:.4f}; Belady's in "
+          f"the same RAM {belady:.4f} (headroom {max(0.0, belady - chosen.token_hit_ratio):.4f})")
+    print(f"  kvstate serve {chosen.setting.flags()}")
+    if args.plot:
+        recommend.plot(scored, chosen, belady, args.plot, f"{trace.name}: settings of kvstate serve, {model.name}")
         print(f"wrote the plot to {args.plot}")
     return 0
 
@@ -197,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run the sweep's cells on a Ray cluster (ray://host:10001, host:6379 or auto); "
                                "without ADDRESS a local Ray, or the cluster RAY_ADDRESS names "
                                "(pip install 'kvstate[ray]')")
+    simulate.add_argument("--recommend", action="store_true",
+                          help="instead of the sweep: replay the trace at every setting of kvstate serve (RAM up "
+                               "to --ram-limit, each policy, a disk tier of --disk-limit and each write rule) "
+                               "and print the one with the most token hits within the limits")
+    simulate.add_argument("--ram-limit", type=size_argument, default=None, help="with --recommend: the most RAM")
+    simulate.add_argument("--disk-limit", type=size_argument, default=None,
+                          help="with --recommend: the disk tier's size (default: no disk tier)")
+    simulate.add_argument("--write-limit", type=size_argument, default=None,
+                          help="with --recommend: the most bytes written to disk per hour of the trace")
     simulate.add_argument("--progress", action="store_true", help="show the progress bar even when not a tty")
     simulate.add_argument("--json", default="kvstate-lab.json",
                           help="write the rows as JSON here (default kvstate-lab.json; '' for none)")

@@ -139,13 +139,15 @@ def _run_ram_only(trace: Trace, cache, started: float) -> Outcome:
                    time.perf_counter() - started)
 
 
-def run_prefixes(trace: Trace, policy: str, ram_bytes: int, disk_bytes: int | None, model: ModelSpec) -> Outcome:
-    """Replay ``trace`` through the service (core transitions, simulator) keeping whole prefixes."""
+def run_prefixes(trace: Trace, policy: str, ram_bytes: int, disk_bytes: int | None, model: ModelSpec,
+                 **options) -> Outcome:
+    """Replay ``trace`` through the service (core transitions, simulator) keeping whole prefixes;
+    ``options`` are the service's own (a write rule, say: ``write_idle_after``)."""
     if policy not in PREFIX_POLICIES:
         raise PolicyNotAtGranularity(f"{policy!r} runs at block granularity only; the service's policies are: "
                                      f"{', '.join(PREFIX_POLICIES)}")
     # The trace's requests already ran (some past this model's context): the lab replays its cache
     # decisions, so no request is refused for its length.
     service = replay_service(model, refuse_past_context=False, ram_bytes=ram_bytes, disk_bytes=disk_bytes,
-                             policy=policy)
+                             policy=policy, **options)
     return replay(trace.requests, service)

@@ -176,7 +176,7 @@ def table(rows: Sequence[Row], ceiling: Outcome) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.policy:8} {r.capacity:>12} {r.request_hit_rate:>8.4f} {r.token_hit_ratio:>10.4f} "
-                     f"{r.block_hit_ratio:>10.4f} {_size(r.disk_bytes_written):>13} {_size(r.disk_bytes_read):>11} "
+                     f"{r.block_hit_ratio:>10.4f} {human_size(r.disk_bytes_written):>13} {human_size(r.disk_bytes_read):>11} "
                      f"{_ratio(r.write_amplification):>7} {r.prefill_seconds_saved:>16.1f}")
     lines.append(f"{'(unbounded)':21} {ceiling.request_hit_rate:>8.4f} {ceiling.token_hit_ratio:>10.4f} "
                  f"{ceiling.block_hit_ratio:>10.4f}")
@@ -187,7 +187,8 @@ def _ratio(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f}"
 
 
-def _size(nbytes: int) -> str:
+def human_size(nbytes: float) -> str:
+    """``nbytes`` in decimal units, to one decimal: 1.2 GB."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if nbytes < 1000 or unit == "TB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
