@@ -97,14 +97,19 @@ def test_a_recorded_conversation_replays_to_the_hits_the_server_reported(tmp_pat
             reply = chat(server, messages, max_tokens=6)
             told.append(reply.usage.prompt_tokens_details.cached_tokens)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        # A seeded request is served outside the batch: recorded all the same, in its own tenant.
+        seeded = chat(server, messages[:2], max_tokens=3, seed=7, extra_body={"cache_salt": "other"})
     finally:
         assert server.stop() == 0
     records = [json.loads(line) for line in trace.read_text().splitlines()]
+    single = records.pop()
+    assert single["cached_tokens"] == seeded.usage.prompt_tokens_details.cached_tokens == 0
+    assert single["output_length"] == 3 and single["namespace"] != records[0]["namespace"]
     assert [r["cached_tokens"] for r in records] == told
     assert told[0] == 0 and min(told[1:]) >= BLOCK_TOKENS  # later turns reuse whole blocks: a replay can miss them
     requests = read(trace).requests
     outcome = replay(requests, replay_service("llama-3.2-1b", ram_bytes=1 << 34, refuse_past_context=False))
-    assert outcome.requests == 3 and outcome.block_hits == sum(cached // BLOCK_TOKENS for cached in told)
+    assert outcome.requests == 4 and outcome.block_hits == sum(cached // BLOCK_TOKENS for cached in told)
 
 
 def test_a_replay_keeps_what_the_server_kept_so_the_next_turn_reuses_the_reply_too():
@@ -123,3 +128,21 @@ def test_a_replay_keeps_what_the_server_kept_so_the_next_turn_reuses_the_reply_t
     for request, expected in ((first, 2), (TraceRequest(0.0, len(prompt), BLOCK_TOKENS, first.blocks), 1)):
         outcome = replay([request, second], replay_service("llama-3.2-1b", ram_bytes=1 << 34))
         assert outcome.block_hits == expected  # the reply's block too, or the prompt's only
+
+
+def test_a_trace_that_cannot_be_recorded_is_refused_in_one_line_before_the_model_loads(tmp_path):
+    import subprocess
+    import sys
+
+    for path, says in ((tmp_path / "no" / "such" / "dir" / "trace.jsonl", "cannot append to it (No such file"),
+                       (tmp_path, "cannot append to it (Is a directory)")):
+        done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model",
+                               str(tmp_path / "not-loaded"), "--record-trace", str(path)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+    key = tmp_path / "trace.jsonl.key"
+    key.write_bytes(b"not a key")
+    done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model",
+                           str(tmp_path / "not-loaded"), "--record-trace", str(tmp_path / "trace.jsonl")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "not a trace key" in done.stderr

@@ -44,7 +44,7 @@ from kvstate.interpreters.serving.pins import (
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
 from kvstate.interpreters.service import KvCacheService
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
-from kvstate.interpreters.serving.trace_recording import TraceRecorder
+from kvstate.interpreters.serving.trace_recording import TraceRecorder, recording_refusal
 
 #: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
 SUPPORTED_MLX_LM = ((0, 32),)
@@ -490,6 +490,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvstate serve: --shared-prefix-wait is seconds, 0 or more; got {options.shared_prefix_wait}",
               file=sys.stderr)
         return 2
+    if options.record_trace is not None:
+        refusal = recording_refusal(Path(options.record_trace))
+        if refusal is not None:
+            print(f"kvstate serve: --record-trace {options.record_trace}: {refusal}", file=sys.stderr)
+            return 2
     try:
         status = serve(options, server_argv)
     except (ServerInternalsMoved, BadWarmPrompt) as error:

@@ -89,6 +89,21 @@ class TraceHasher:
         return out
 
 
+def recording_refusal(path: Path) -> str | None:
+    """Why a trace cannot be recorded at ``path`` (checked before the model loads), or None: the file
+    and its key can be opened, the key made where there is none."""
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        return f"cannot append to it ({error.strerror or error})"
+    try:
+        deployment_key(Path(f"{path}.key"))
+    except TraceKeyUnreadable as error:
+        return str(error)
+    return None
+
+
 def _last_timestamp(path: Path) -> int | None:
     """The timestamp of the last line of an existing trace, or None (none, or empty)."""
     try:
