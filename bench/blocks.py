@@ -171,20 +171,35 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
         def blocks_unjoined():
             mx.eval([a for name in names for layer in store.read_block(name) for a in layer.values()])
 
-        def read_ahead():  # what a read ahead does: each file read and verified, then its arrays built
-            held = [store.built(store.read_ahead(name)) for name in names]
+        def read_ahead():  # what a read ahead does: each file planned, filled in place and verified, then built
+            planned = [store.plan_read_ahead(name) for name in names]
+            for read in planned:
+                store.fill(read)
+            held = [store.built(read) for read in planned]
             mx.eval([a for block in held for layer in block for a in layer.values()])
             return held
 
         def read_ahead_joined():  # and the request it served: the blocks joined into its caches
             mx.eval(mlx_caches.arrays_of(assemble(read_ahead(), like)))
 
+        def read_ahead_asking_thread() -> float:  # its share on the thread that asks (the reader fills)
+            started = time.perf_counter()
+            planned = [store.plan_read_ahead(name) for name in names]
+            asking = time.perf_counter() - started
+            for read in planned:
+                store.fill(read)
+            started = time.perf_counter()
+            held = [store.built(read) for read in planned]
+            mx.eval([a for block in held for layer in block for a in layer.values()])
+            return asking + time.perf_counter() - started
+
         path = str(store.prefix_path(key))
         buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
         raw = fastest_read(path, buffer, repeat)
         figures = {"whole": best(whole, repeat), "blocks, into place": best(blocks, repeat),
                    "blocks, then joined": best(blocks_joined, repeat), "blocks, not joined": best(blocks_unjoined, repeat),
-                   "read ahead": best(read_ahead, repeat), "read ahead, joined": best(read_ahead_joined, repeat)}
+                   "read ahead": best(read_ahead, repeat), "read ahead, joined": best(read_ahead_joined, repeat),
+                   "read ahead, its asking thread's share": min(read_ahead_asking_thread() for _ in range(repeat))}
         print(f"verified restore of {tokens:,} tokens ({os.path.getsize(path) / 1e6:,.0f} MB; {len(names)} block "
               f"files of {block_tokens} tokens); raw read of the whole file {raw * 1e3:.0f} ms")
         for name, seconds in figures.items():

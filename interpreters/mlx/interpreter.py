@@ -93,8 +93,8 @@ class _Worker:
 
 @attrs.frozen(eq=False)
 class _PartsRead:
-    """What a read ahead of a chain's parts found: the parts read and verified (their files' bytes, no
-    arrays yet), in order, and the part that failed, with why (None: none did)."""
+    """What a read ahead of a chain's parts found: the parts read and verified (their arrays filled in
+    place), in order, and the part that failed, with why (None: none did)."""
 
     effect: fx.PrefetchBlocks
     thread: int  # the thread that asked for it: the one that takes it
@@ -104,19 +104,22 @@ class _PartsRead:
     seconds: float
 
 
-def _read_parts(store: DiskStore, effect: fx.PrefetchBlocks, thread: int) -> _PartsRead:
-    """Read the parts of ``effect`` in order, each file whole and verified, up to the first that fails
-    (no MLX call: this runs on the reader thread)."""
+def _fill_parts(store: DiskStore, effect: fx.PrefetchBlocks, thread: int, planned: list, failed: int | None,
+                reason: done.FailureReason | None, planning: float) -> _PartsRead:
+    """Read the planned parts of ``effect`` into their arrays, in order, each verified, up to the first
+    that fails (no MLX call: this runs on the reader thread); ``failed`` is a part whose plan failed."""
     started, parts = time.perf_counter(), []
-    for part in effect.parts:
+    for part, read in planned:
         try:
-            parts.append((part, store.read_ahead(part.saved)))
+            store.fill(read)
         except RejectedFile as rejected:
-            return _PartsRead(effect, thread, parts, part.entry, rejected.reason, time.perf_counter() - started)
+            failed, reason = part.entry, rejected.reason
+            break
         except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
-            return _PartsRead(effect, thread, parts, part.entry, done.FailureReason.IO_ERROR,
-                              time.perf_counter() - started)
-    return _PartsRead(effect, thread, parts, None, None, time.perf_counter() - started)
+            failed, reason = part.entry, done.FailureReason.IO_ERROR
+            break
+        parts.append((part, read))
+    return _PartsRead(effect, thread, parts, failed, reason, planning + time.perf_counter() - started)
 
 
 class MlxInterpreter(HeldState):
@@ -400,29 +403,42 @@ class MlxInterpreter(HeldState):
         return [done.PrefetchDone(e.entry, time.perf_counter() - started)]
 
     def _prefetch_blocks(self, e: fx.PrefetchBlocks) -> list:
-        """Read the chain's saved parts ahead: on the reader thread where there is one (the completion
-        comes at a later :meth:`poll`), else now."""
-        store = self._store()
-        job = functools.partial(_read_parts, store, e, threading.get_ident())
+        """Read the chain's saved parts ahead: each file's header checked and its arrays allocated here,
+        then its bytes read into them and verified on the reader thread where there is one (the
+        completion comes at a later :meth:`poll`), else now."""
+        store, started = self._store(), time.perf_counter()
+        planned, failed, reason = [], None, None
+        for part in e.parts:
+            try:
+                planned.append((part, store.plan_read_ahead(part.saved)))
+            except RejectedFile as rejected:
+                failed, reason = part.entry, rejected.reason
+                break
+            except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
+                failed, reason = part.entry, done.FailureReason.IO_ERROR
+                break
+        job = functools.partial(_fill_parts, store, e, threading.get_ident(), planned, failed, reason,
+                                time.perf_counter() - started)
         if self._reader is not None:
             self._reader.submit(job)
             return []
         return self._take_read(job())
 
     def _take_read(self, read: "_PartsRead") -> list:
-        """The parts a read ahead verified, their arrays built here, in order, up to the first that
-        failed (or fails to build), held until the core settles them; the completion that says so."""
+        """The parts a read ahead verified, their content made here from the arrays it filled, in
+        order, up to the first that failed (or fails to build), held until the core settles them; the
+        completion that says so."""
         store, taken = self._store(), []
         failed, reason = read.failed, read.reason
-        for part, raw in read.parts:
+        for part, filled in read.parts:
             try:
-                held = store.built(raw)
+                held = store.built(filled)
             except RejectedFile as rejected:
                 failed, reason = part.entry, rejected.reason
                 break
             snapshot = isinstance(part.saved, fx.SnapshotName)
-            # Evaluated now, on this thread's stream (the one that asked for the read): the arrays are
-            # built from the read's host buffer, which is let go when this returns.
+            # Evaluated now, on this thread's stream (the one that asked for the read): where there is a
+            # device, the arrays' move there.
             mx.eval(mlx_caches.arrays_of([c for c in held if c is not None]) if snapshot
                     else [array for layer in held for array in layer.values()])
             self._ahead[part.entry] = (held, snapshot)
