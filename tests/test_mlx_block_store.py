@@ -142,17 +142,19 @@ def test_a_chain_read_ahead_from_disk_serves_the_next_request_from_ram_as_a_reco
     again.close()
 
 
-def test_a_read_ahead_on_the_reader_thread_lands_at_a_poll_and_rejects_a_damaged_block(llama, tmp_path):
-    """Blocks read ahead on the reader thread (files read and verified there, arrays built where the
-    completion is taken): the blocks before a damaged one come into RAM, the damaged one is rejected
-    and moved aside, and the one after it, which serves nothing without it, is forgotten."""
+@pytest.mark.parametrize("damaged", [-3, 40], ids=["in-a-tensor", "in-the-header"])
+def test_a_read_ahead_on_the_reader_thread_lands_at_a_poll_and_rejects_a_damaged_block(llama, tmp_path, damaged):
+    """Blocks read ahead (headers checked where the read is asked for, files read and verified on the
+    reader thread, tensors made where the completion is taken): the blocks before a damaged one come
+    into RAM, the damaged one is rejected and moved aside, whether its tensors or its header fail, and
+    the one after it, which serves nothing without it, is forgotten."""
     model, config = llama
     prompt = tuple(range(11, 11 + 3 * SIZE + 5))
     again = published_then_restarted(model, config, tmp_path, prompt, background_writes=True)
     entries = sorted((e for e in again.state.entries.values() if e.is_block), key=lambda e: e.start)
     path = again.interpreter.store.block_path(_name(again, entries[2]))
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF
+    data[damaged] ^= 0x01
     path.write_bytes(bytes(data))
     assert again.prefetch(prompt + (1,), "n") is True
     assert {e.residence.value for e in again.state.entries.values()} == {"prefetching"}

@@ -108,18 +108,27 @@ def _fill_parts(store: DiskStore, effect: fx.PrefetchBlocks, thread: int, planne
                 reason: done.FailureReason | None, planning: float) -> _PartsRead:
     """Read the planned parts of ``effect`` into their arrays, in order, each verified, up to the first
     that fails (no MLX call: this runs on the reader thread); ``failed`` is a part whose plan failed."""
-    started, parts = time.perf_counter(), []
-    for part, read in planned:
-        try:
-            store.fill(read)
-        except RejectedFile as rejected:
-            failed, reason = part.entry, rejected.reason
-            break
-        except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
-            failed, reason = part.entry, done.FailureReason.IO_ERROR
-            break
-        parts.append((part, read))
+    started = time.perf_counter()
+    filled, stopped, why = _until_failure(planned, lambda item: store.fill(item[1]))
+    if stopped is not None:
+        failed, reason = stopped, why
+    parts = [item for item, _ in filled]
     return _PartsRead(effect, thread, parts, failed, reason, planning + time.perf_counter() - started)
+
+
+def _until_failure(items: list, step: Callable[[Any], Any]) -> tuple[list, int | None, done.FailureReason | None]:
+    """``(item, step(item))`` for ``items`` (a chain's parts, or ``(part, ...)`` pairs) in order, up to
+    the first whose step fails, and that part's entry and why (None, None: none failed)."""
+    out = []
+    for item in items:
+        part = item[0] if isinstance(item, tuple) else item
+        try:
+            out.append((item, step(item)))
+        except RejectedFile as rejected:
+            return out, part.entry, rejected.reason
+        except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
+            return out, part.entry, done.FailureReason.IO_ERROR
+    return out, None, None
 
 
 class MlxInterpreter(HeldState):
@@ -407,16 +416,7 @@ class MlxInterpreter(HeldState):
         then its bytes read into them and verified on the reader thread where there is one (the
         completion comes at a later :meth:`poll`), else now."""
         store, started = self._store(), time.perf_counter()
-        planned, failed, reason = [], None, None
-        for part in e.parts:
-            try:
-                planned.append((part, store.plan_read_ahead(part.saved)))
-            except RejectedFile as rejected:
-                failed, reason = part.entry, rejected.reason
-                break
-            except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
-                failed, reason = part.entry, done.FailureReason.IO_ERROR
-                break
+        planned, failed, reason = _until_failure(list(e.parts), lambda part: store.plan_read_ahead(part.saved))
         job = functools.partial(_fill_parts, store, e, threading.get_ident(), planned, failed, reason,
                                 time.perf_counter() - started)
         if self._reader is not None:
