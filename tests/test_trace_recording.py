@@ -70,7 +70,7 @@ def test_a_request_is_written_when_answered_and_one_never_answered_at_close(tmp_
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     hasher = TraceHasher(path.with_name("trace.jsonl.key").read_bytes())
     assert lines[0] == {"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": hasher.ids("a", prompt),
-                        "kept_ids": hasher.ids("a", (prompt + (7, 8, 9))[:602]), "cached_tokens": 0,
+                        "kept_ids": hasher.ids("a", (prompt + (7, 8, 9))[:602]), "kept_length": 602, "cached_tokens": 0,
                         "namespace": hasher.namespace("a")}
     assert lines[1]["timestamp"] == 1500 and lines[1]["output_length"] == 0 and lines[1]["cached_tokens"] == 40
     # A recording appended to after a restart goes on from its last timestamp.
@@ -123,7 +123,7 @@ def test_a_replay_keeps_what_the_server_kept_so_the_next_turn_reuses_the_reply_t
     answered = prompt + tuple(range(5000, 5000 + BLOCK_TOKENS))   # a reply of a block and more
     following = answered + tuple(range(9000, 9050))
     first = TraceRequest(0.0, len(prompt), BLOCK_TOKENS, tuple(hasher.ids("a", prompt)),
-                         kept=tuple(hasher.ids("a", answered)))
+                         kept=tuple(hasher.ids("a", answered)), kept_length=len(answered))
     second = TraceRequest(1.0, len(following), 1, tuple(hasher.ids("a", following)))
     for request, expected in ((first, 2), (TraceRequest(0.0, len(prompt), BLOCK_TOKENS, first.blocks), 1)):
         outcome = replay([request, second], replay_service("llama-3.2-1b", ram_bytes=1 << 34))

@@ -12,7 +12,6 @@ with no disk tier, is the headroom: what no online policy at that size can beat 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 from typing import Sequence
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from kvstate.interpreters.lab.replay import Outcome
 from kvstate.interpreters.lab.runs import PREFIX_POLICIES, block_bytes, run_blocks, run_prefixes
-from kvstate.interpreters.lab.sweep import human_size
+from kvstate.interpreters.lab.sweep import forked_map, human_size
 from kvstate.interpreters.lab.traces import Trace
 from kvstate.models.spec import ModelSpec
 
@@ -116,37 +115,22 @@ def belady_headroom(trace: Trace, ram_bytes: int, model: ModelSpec) -> float:
     return run_blocks(trace, "belady", blocks, None, model).token_hit_ratio
 
 
-_TRACE: Trace | None = None
-_MODEL: ModelSpec | None = None
-
-
-def _score(setting: Setting) -> Scored:
-    return score(_TRACE, setting, _MODEL)
+def _indexed_score(trace: Trace, job: tuple[int, Setting, ModelSpec]) -> tuple[int, Scored]:
+    index, setting, model = job
+    return index, score(trace, setting, model)
 
 
 def score_all(trace: Trace, settings: Sequence[Setting], model: ModelSpec, processes: int | None = None,
               progress: bool = True) -> list[Scored]:
     """Each setting replayed, in forked processes where there are cores; in the settings' order."""
-    global _TRACE, _MODEL
     workers = min(len(settings), processes or os.cpu_count() or 1)
-    bar = tqdm(total=len(settings), unit="run", desc="  recommend", file=sys.stderr, disable=not progress)
-    with bar:
-        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-            _TRACE, _MODEL = trace, model
-            try:
-                with multiprocessing.get_context("fork").Pool(workers) as pool:
-                    out = []
-                    for scored in pool.imap(_score, settings):
-                        out.append(scored)
-                        bar.update()
-                    return out
-            finally:
-                _TRACE, _MODEL = None, None
-        out = []
-        for setting in settings:
-            out.append(score(trace, setting, model))
+    out: list[Scored | None] = [None] * len(settings)
+    jobs = [(index, setting, model) for index, setting in enumerate(settings)]
+    with tqdm(total=len(settings), unit="run", desc="  recommend", file=sys.stderr, disable=not progress) as bar:
+        for index, scored in forked_map(_indexed_score, trace, jobs, workers):
+            out[index] = scored
             bar.update()
-        return out
+    return out
 
 
 def table(scored: Sequence[Scored], chosen: Scored, write_limit_per_hour: int | None, most: int = 12) -> str:

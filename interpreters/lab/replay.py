@@ -127,8 +127,9 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
         kept, kept_length = request.blocks, request.input_length
         if request.kept is not None and request.kept[:state.reused_tokens] == request.blocks[:state.reused_tokens]:
             # a server's recording: the state it kept covers the reply too, so the next turn reuses it
-            kept, kept_length = request.kept, min(request.input_length + request.output_length,
-                                                  len(request.kept) * BLOCK_TOKENS)
+            kept = request.kept
+            kept_length = (request.kept_length if request.kept_length is not None
+                           else min(request.input_length + request.output_length, len(kept) * BLOCK_TOKENS))
         if kept_length % BLOCK_TOKENS and not spec.trimmable_at(len(kept)):
             kept = kept[:-1]  # the last block is partial: keep the state where the next turn can use it
         if keeps and kept and state.reused_tokens <= len(kept):

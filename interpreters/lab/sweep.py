@@ -12,7 +12,7 @@ import json
 import multiprocessing
 import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 from tqdm import tqdm
@@ -96,7 +96,7 @@ class RayUnavailable(RuntimeError):
     """A sweep asked for Ray where the ``ray`` package is not installed."""
 
 
-_TRACE: Trace | None = None
+_SHARED: tuple | None = None  # (function, trace) for the forked workers of :func:`forked_map`
 
 
 def run_cell(trace: Trace, job: tuple) -> tuple[int, Outcome]:
@@ -108,8 +108,26 @@ def run_cell(trace: Trace, job: tuple) -> tuple[int, Outcome]:
     return index, run_prefixes(trace, policy, capacity.nbytes, disk, model)
 
 
-def _job(job: tuple) -> tuple[int, Outcome]:
-    return run_cell(_TRACE, job)
+def _call_shared(job: tuple) -> Any:
+    function, trace = _SHARED
+    return function(trace, job)
+
+
+def forked_map(function: Callable[[Trace, Any], Any], trace: Trace, jobs: Sequence, workers: int) -> Iterator:
+    """``function(trace, job)`` for each of ``jobs``, in the order they finish: in ``workers`` forked
+    processes (the trace shared with them, not copied) where there are several and the platform
+    forks, else here, one after another."""
+    global _SHARED
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        _SHARED = (function, trace)
+        try:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                yield from pool.imap_unordered(_call_shared, jobs)
+        finally:
+            _SHARED = None
+    else:
+        for job in jobs:
+            yield function(trace, job)
 
 
 def _on_ray(trace: Trace, jobs: list, address: str, done) -> None:
@@ -134,7 +152,6 @@ def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity],
           processes: int | None = None, progress: bool = True, ray: str | None = None) -> list[Row]:
     """Every policy at every capacity; rows in (policy, capacity) order. ``ray``: run the cells on
     the Ray cluster at this address ("" for a local Ray, or the one ``RAY_ADDRESS`` names)."""
-    global _TRACE
     cost = cost or CostModel()
     jobs = [(i, granularity, policy, capacity, disk_bytes, model)
             for i, (policy, capacity) in enumerate((p, c) for p in policies for c in capacities)]
@@ -149,17 +166,9 @@ def sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[Capacity],
     with bar:
         if ray is not None:
             _on_ray(trace, jobs, ray, done)
-        elif workers > 1 and "fork" in multiprocessing.get_all_start_methods():
-            _TRACE = trace
-            try:
-                with multiprocessing.get_context("fork").Pool(workers) as pool:
-                    for index, outcome in pool.imap_unordered(_job, jobs):
-                        done(index, outcome)
-            finally:
-                _TRACE = None
         else:
-            for job in jobs:
-                done(*run_cell(trace, job))
+            for index, outcome in forked_map(run_cell, trace, jobs, workers):
+                done(index, outcome)
     rows = []
     for index, _, policy, capacity, _, _ in jobs:
         o = outcomes[index]

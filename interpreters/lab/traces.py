@@ -50,6 +50,8 @@ class TraceRequest:
     #: The chained ids of the state the server kept after the request (its prompt and its reply), where
     #: the trace records them (``kvstate serve --record-trace``); None: the prompt's, as in Mooncake's.
     kept: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    #: The tokens of that state (None: not recorded; the prompt and the output, at most its blocks).
+    kept_length: int | None = None
     #: The prompt tokens the server reported reused, where the trace records them.
     cached_tokens: int | None = None
 
@@ -91,14 +93,15 @@ class BlockChainer:
 def mooncake(path: str | Path) -> Trace:
     """A Mooncake FAST'25 trace (``timestamp`` ms, ``hash_ids`` already chained), in timestamp order (a
     stable sort: Mooncake's files are in it already; a server's recording is in completion order).
-    A recording's ``kept_ids``, ``cached_tokens`` and ``namespace`` are read where present."""
+    A recording's ``kept_ids``, ``kept_length``, ``cached_tokens`` and ``namespace`` are read where present."""
     def request_of(record: dict) -> TraceRequest:
-        kept = record.get("kept_ids")
+        kept, kept_length = record.get("kept_ids"), record.get("kept_length")
         cached = record.get("cached_tokens")
         return TraceRequest(int(record["timestamp"]) / 1000, int(record["input_length"]),
                             int(record["output_length"]), tuple(int(h) for h in record["hash_ids"]),
                             namespace=str(record.get("namespace", "default")),
                             kept=None if kept is None else tuple(int(h) for h in kept),
+                            kept_length=None if kept_length is None else int(kept_length),
                             cached_tokens=None if cached is None else int(cached))
     requests = []
     for number, request in trace_records(path, "Mooncake request", request_of):

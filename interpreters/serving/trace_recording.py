@@ -5,16 +5,16 @@ One JSON line a request, in the bundled traces' format (``interpreters/traces/RE
 
 ```json
 {"timestamp": 1520, "input_length": 1811, "output_length": 8, "hash_ids": [...], "kept_ids": [...],
- "cached_tokens": 1280, "namespace": "9f3c..."}
+ "kept_length": 1818, "cached_tokens": 1280, "namespace": "9f3c..."}
 ```
 
 - ``timestamp``: when the request's state was fetched, in ms since the recording began (a file
   appended to after a restart goes on from its last timestamp);
 - ``hash_ids``: one id per 512-token block of the prompt, chained (an id stands for its block and
   everything before it, and for the request's namespace);
-- ``kept_ids``: the same for the state the server offered to keep at the end (the prompt and the
-  tokens generated, but the last): a replay keeps these, so the next turn's hits are those the
-  server saw;
+- ``kept_ids``, ``kept_length``: the same for the state the server offered to keep at the end (the
+  prompt and the tokens generated, but the last), and its tokens: a replay keeps these, so the next
+  turn's hits are those the server saw;
 - ``cached_tokens``: the prompt tokens the server reused, as it reported them to the client;
 - ``namespace``: a keyed hash of the request's namespace (its tenant).
 
@@ -164,10 +164,11 @@ class TraceRecorder:
     def _write(self, namespace: str, prompt: tuple[int, ...], cached: int, stamp: int,
                tokens: tuple[int, ...] | None, kept: int | None = None) -> None:
         tokens = tokens if tokens is not None else prompt
+        kept_tokens = tokens[:kept if kept is not None else len(tokens)]
         record = {"timestamp": stamp, "input_length": len(prompt), "output_length": len(tokens) - len(prompt),
-                  "hash_ids": self._hasher.ids(namespace, prompt),
-                  "kept_ids": self._hasher.ids(namespace, tokens[:kept if kept is not None else len(tokens)]),
-                  "cached_tokens": cached, "namespace": self._hasher.namespace(namespace)}
+                  "hash_ids": self._hasher.ids(namespace, prompt), "kept_ids": self._hasher.ids(namespace, kept_tokens),
+                  "kept_length": len(kept_tokens), "cached_tokens": cached,
+                  "namespace": self._hasher.namespace(namespace)}
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._file.flush()
         self.written += 1
