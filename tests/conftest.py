@@ -21,9 +21,11 @@ def tokens_within_the_vocabulary():
     plain = nn.Embedding.__call__
 
     def checked(self, x):
-        if x.size and (int(mx.max(x).item()) >= self.weight.shape[0] or int(mx.min(x).item()) < 0):
-            raise TokenOutsideVocabulary(f"token ids {int(mx.min(x).item())}..{int(mx.max(x).item())} fed to an "
-                                         f"embedding of {self.weight.shape[0]} rows: use ids below that")
+        if x.size:
+            low, high = (int(v) for v in mx.stack([mx.min(x), mx.max(x)]).tolist())
+            if low < 0 or high >= self.weight.shape[0]:
+                raise TokenOutsideVocabulary(f"token ids {low}..{high} fed to an embedding of "
+                                             f"{self.weight.shape[0]} rows: use ids below that")
         return plain(self, x)
 
     nn.Embedding.__call__ = checked

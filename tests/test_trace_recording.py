@@ -35,6 +35,9 @@ def test_an_id_stands_for_its_block_everything_before_it_and_the_namespace():
     assert not set(TraceHasher(bytes(KEY_BYTES)).ids("a", first)) & set(ids)  # another deployment neither
     assert all(0 <= i < 1 << 63 for i in ids)
     assert hasher.namespace("a") != hasher.namespace("b") and "tenant" not in hasher.namespace("tenant")
+    for prompt in (first, first[:BLOCK_TOKENS], first[:700], first[:9]):  # the shared blocks hashed once
+        assert hasher.ids_of_both("a", prompt, first + (1, 2, 3)) == (hasher.ids("a", prompt),
+                                                                       hasher.ids("a", first + (1, 2, 3)))
 
 
 def test_the_key_is_made_once_owner_only_and_a_damaged_one_is_refused(tmp_path):

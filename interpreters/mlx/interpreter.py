@@ -109,21 +109,22 @@ def _fill_parts(store: DiskStore, effect: fx.PrefetchBlocks, thread: int, planne
     """Read the planned parts of ``effect`` into their arrays, in order, each verified, up to the first
     that fails (no MLX call: this runs on the reader thread); ``failed`` is a part whose plan failed."""
     started = time.perf_counter()
-    filled, stopped, why = _until_failure(planned, lambda item: store.fill(item[1]))
+    reads = dict(planned)
+    filled, stopped, why = _until_failure([part for part, _ in planned], lambda part: store.fill(reads[part]))
     if stopped is not None:
         failed, reason = stopped, why
-    parts = [item for item, _ in filled]
+    parts = [(part, reads[part]) for part, _ in filled]
     return _PartsRead(effect, thread, parts, failed, reason, planning + time.perf_counter() - started)
 
 
-def _until_failure(items: list, step: Callable[[Any], Any]) -> tuple[list, int | None, done.FailureReason | None]:
-    """``(item, step(item))`` for ``items`` (a chain's parts, or ``(part, ...)`` pairs) in order, up to
-    the first whose step fails, and that part's entry and why (None, None: none failed)."""
+def _until_failure(parts: list, step: Callable[[fx.BlockPart], Any]
+                   ) -> tuple[list, int | None, done.FailureReason | None]:
+    """``(part, step(part))`` for a chain's ``parts`` in order, up to the first whose step fails, and
+    that part's entry and why (None, None: none failed)."""
     out = []
-    for item in items:
-        part = item[0] if isinstance(item, tuple) else item
+    for part in parts:
         try:
-            out.append((item, step(item)))
+            out.append((part, step(part)))
         except RejectedFile as rejected:
             return out, part.entry, rejected.reason
         except Exception:  # noqa: BLE001 - not the store's own rejection: a failed read, the file left as it is
@@ -144,8 +145,9 @@ class MlxInterpreter(HeldState):
         super().__init__()
         background = background_writes and store is not None
         self._writer = _Worker("kvstate-writer") if background else None
-        #: Reads ahead of blocks (``PrefetchBlocks``): files read and verified here, off the caller's
-        #: thread; their arrays are built on the thread that polls (:meth:`poll`), where MLX runs.
+        #: Reads ahead of blocks (``PrefetchBlocks``): files read into place and verified here, off the
+        #: caller's thread; their arrays are allocated, and their tensors made, on the thread that asked
+        #: (:meth:`poll`), where MLX runs.
         self._reader = _Worker("kvstate-reader") if background else None
         self._landed: list[_PartsRead] = []  # reads ahead done, not yet taken by the thread that asked
 

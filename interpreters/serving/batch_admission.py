@@ -90,8 +90,8 @@ class BatchAdmission:
         self.service = cache.service
         self.share_wait_s = share_wait_s
         #: Whether a request's saved blocks are read ahead when it arrives (asked for, with state kept in
-        #: blocks on a disk tier). Off by default: on a GPU the read ahead, which builds each block's arrays
-        #: from its own file, cost more than the restore it replaces (``bench/README.md``).
+        #: blocks on a disk tier). Off by default: on a GPU its first form cost more than the restore it
+        #: replaces, and the present one is not measured there yet (``bench/README.md``).
         self.reads_ahead = (read_ahead and cache.service.config.block_tokens is not None
                             and cache.service.config.has_disk)
         self.min_shared_tokens = min_shared_tokens

@@ -81,12 +81,35 @@ class TraceHasher:
     def ids(self, namespace: str, tokens: tuple[int, ...]) -> list[int]:
         """One id per block of ``tokens`` (the last may be partial), each standing for the block, the
         blocks before it and the namespace."""
-        parent, out = self._digest(namespace.encode(), b"kvst-root"), []
+        return [_as_id(digest) for digest in self._chain(namespace, tokens)]
+
+    def ids_of_both(self, namespace: str, prompt: tuple[int, ...], kept: tuple[int, ...]
+                    ) -> tuple[list[int], list[int]]:
+        """:meth:`ids` of ``prompt`` and of ``kept``, which extends it: the full blocks they share
+        hashed once."""
+        chain = self._chain(namespace, kept)
+        full = len(prompt) // BLOCK_TOKENS
+        prompt_chain = chain[:full]
+        if len(prompt) % BLOCK_TOKENS:  # its partial last block: its own, after the shared ones
+            parent = chain[full - 1] if full else self._root(namespace)
+            prompt_chain += self._chain(namespace, prompt[full * BLOCK_TOKENS:], parent)
+        return [_as_id(d) for d in prompt_chain], [_as_id(d) for d in chain]
+
+    def _root(self, namespace: str) -> bytes:
+        return self._digest(namespace.encode(), b"kvst-root")
+
+    def _chain(self, namespace: str, tokens: tuple[int, ...], parent: bytes | None = None) -> list[bytes]:
+        """The chained digests of ``tokens``' blocks, after ``parent`` (the namespace's root if None)."""
+        parent, out = parent if parent is not None else self._root(namespace), []
         for start in range(0, len(tokens), BLOCK_TOKENS):
             block = tokens[start:start + BLOCK_TOKENS]
             parent = self._digest(parent + struct.pack(f"<{len(block)}q", *block), b"kvst-block")
-            out.append(int.from_bytes(parent, "little") >> 1)  # a non-negative 63-bit id
+            out.append(parent)
         return out
+
+
+def _as_id(digest: bytes) -> int:
+    return int.from_bytes(digest, "little") >> 1  # a non-negative 63-bit id
 
 
 def recording_refusal(path: Path) -> str | None:
@@ -165,8 +188,9 @@ class TraceRecorder:
                tokens: tuple[int, ...] | None, kept: int | None = None) -> None:
         tokens = tokens if tokens is not None else prompt
         kept_tokens = tokens[:kept if kept is not None else len(tokens)]
+        prompt_ids, kept_ids = self._hasher.ids_of_both(namespace, prompt, kept_tokens)
         record = {"timestamp": stamp, "input_length": len(prompt), "output_length": len(tokens) - len(prompt),
-                  "hash_ids": self._hasher.ids(namespace, prompt), "kept_ids": self._hasher.ids(namespace, kept_tokens),
+                  "hash_ids": prompt_ids, "kept_ids": kept_ids,
                   "kept_length": len(kept_tokens), "cached_tokens": cached,
                   "namespace": self._hasher.namespace(namespace)}
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
