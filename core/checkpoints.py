@@ -19,9 +19,9 @@ import attrs
 from kvstate.core import events as ev
 from kvstate.core.checks import check_sizes, ensure_open
 from kvstate.core.draft import Draft, Step
-from kvstate.core.errors import CheckpointNotAllowed, TokensDoNotMatchCaches
+from kvstate.core.errors import CheckpointNotAllowed, InvalidRequest, TokensDoNotMatchCaches
 from kvstate.core.request import Request
-from kvstate.core.state import CheckpointRecord, Lease, ServiceState
+from kvstate.core.state import CheckpointRecord, Lease, ServiceState, check_namespace
 from kvstate.core.tiers import make_disk_room
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
@@ -84,7 +84,7 @@ def found_at_scan(d: Draft, saved: Iterable[done.SavedCheckpoint], capacity: int
             deleted, deleted_bytes = deleted + 1, deleted_bytes + found.file_bytes
             continue
         d.checkpoints = d.checkpoints.set(found.meta.key, CheckpointRecord(
-            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes))
+            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes, note=found.meta.note))
         d.disk.bytes += found.file_bytes
     return deleted, deleted_bytes
 
@@ -95,14 +95,21 @@ def plan_checkpoint(state: ServiceState, e: ev.PlanCheckpoint) -> Step:
     lease = state.leases.get(e.lease)
     if lease is None or lease.checkpoint_key is None or not isinstance(e.generated_tokens, int):
         return Step(state, (), None)
-    return Step(state, (), checkpoint_meta(lease, e.generated_tokens, e.pending_token))
+    return Step(state, (), checkpoint_meta(lease, e.generated_tokens, e.pending_token, e.note))
 
 
-def checkpoint_meta(lease: Lease, generated_tokens: int, pending_token: int | None) -> fx.CheckpointMeta:
+def checkpoint_meta(lease: Lease, generated_tokens: int, pending_token: int | None, note: str = ""
+                    ) -> fx.CheckpointMeta:
     """What the checkpoint file of acquired ``lease`` records beside its caches."""
     continuation = lease.request.continuation
     return fx.CheckpointMeta(lease.checkpoint_key, lease.namespace, len(lease.request.prompt), generated_tokens,
-                             pending_token, continuation.seed, continuation.seed_was_explicit)
+                             pending_token, continuation.seed, continuation.seed_was_explicit, note)
+
+
+def kept_note(state: ServiceState, e: ev.CheckpointNote) -> Step:
+    """The note of the checkpoint kept under ``e.key`` in ``e.namespace``, or None."""
+    record = state.checkpoints.get(checkpoint_key(state, check_namespace(e.namespace), e.key))
+    return Step(state, (), record.note if record is not None else None)
 
 
 def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
@@ -123,6 +130,8 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
             f"checkpoint tokens ({len(e.tokens)}) must be the prompt ({len(prompt)}) plus the "
             f"{e.generated_tokens} generated tokens, and the caches must cover them (they cover {e.covered})")
     check_sizes(e.nbytes, e.file_bytes)
+    if not isinstance(e.note, str):
+        raise InvalidRequest(f"a checkpoint's note must be a string, got {type(e.note).__name__}")
     d = Draft(state)
     # The new file sits beside the old until it replaces it.
     if d.writes.bytes + e.nbytes > d.config.write_queue_bytes or not make_disk_room(d, e.file_bytes):
@@ -134,10 +143,10 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
     record = state.checkpoints.get(key) or CheckpointRecord(lease.namespace)
     d.checkpoints = d.checkpoints.set(key, attrs.evolve(
         record, pending=record.pending + 1, pending_bytes=record.pending_bytes + e.nbytes,
-        pending_file_bytes=record.pending_file_bytes + e.file_bytes))
+        pending_file_bytes=record.pending_file_bytes + e.file_bytes, note=e.note))
     d.writes_add(1, e.nbytes)
     d.disk.bytes += e.file_bytes
-    meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token)
+    meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token, e.note)
     d.out.append(fx.WriteCheckpoint(e.handle, meta, e.tokens, e.nbytes, e.file_bytes))
     return d.step(True)
 

@@ -107,6 +107,8 @@ class Checkpoint(Event):
     nbytes: int
     #: The bytes the checkpoint file would take.
     file_bytes: int
+    #: The caller's note, recorded in the file's meta and kept in the service's record of the key.
+    note: str = ""
 
 
 @attrs.frozen
@@ -223,6 +225,16 @@ class PlanCheckpoint(Event):
     lease: int
     generated_tokens: int
     pending_token: int | None = None
+    note: str = ""
+
+
+@attrs.frozen
+class CheckpointNote(Event):
+    """The note of the checkpoint kept under continuation ``key`` in ``namespace`` (None: none is kept);
+    changes nothing. A server asks before it serves a retry, to refuse one whose request differs."""
+
+    namespace: str
+    key: str
 
 
 @attrs.frozen

@@ -348,6 +348,8 @@ class CheckpointRecord:
     #: The bytes the durable checkpoint file takes, and those reserved on disk by the writes in flight.
     file_bytes: int = 0
     pending_file_bytes: int = 0
+    #: The caller's note of the latest checkpoint offered (or found at the scan) under the key.
+    note: str = ""
 
 
 class Counters(NamedTuple):

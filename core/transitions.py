@@ -81,6 +81,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.SharedWait: sharing.shared_wait,
     ev.Checkpoint: checkpoints.checkpoint,
     ev.PlanCheckpoint: checkpoints.plan_checkpoint,
+    ev.CheckpointNote: checkpoints.kept_note,
     ev.Prefetch: _prefetch,
     ev.ReadingAhead: _reading_ahead,
     ev.Pin: pins.pin,

@@ -54,6 +54,9 @@ class CheckpointMeta:
     pending_token: int | None
     seed: int
     seed_was_explicit: bool
+    #: What the caller records beside the checkpoint, as given (kvstate reads nothing in it): a server
+    #: keeps there what its retry needs, its request's fingerprint and what it sent before.
+    note: str = ""
 
 
 class Effect:

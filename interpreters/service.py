@@ -301,11 +301,12 @@ class KvCacheService:
                 self.complete(self._interpreter.poll())
 
     def checkpoint(self, request: Request, caches: Any, tokens: Iterable[int], generated_tokens: int,
-                   pending_token: int | None = None) -> bool:
+                   pending_token: int | None = None, note: str = "") -> bool:
         """Save a resumable point of a replayable generation; True if the write was queued.
 
         ``tokens`` are the prompt plus the generated tokens ``caches`` cover;
-        ``pending_token`` is the sampled token not yet fed to the model.
+        ``pending_token`` is the sampled token not yet fed to the model; ``note`` is recorded beside
+        them as given (a resume hands it back in ``AcquiredState.resumed.note``).
         """
         tokens = as_tokens(tokens, "checkpoint tokens", known=request_check(request).prompt)
         with self._lock:
@@ -316,14 +317,19 @@ class KvCacheService:
                 covered = len(tokens) if facts.covered is None else facts.covered
                 # The file is measured for a checkpoint the core plans; for any other the core refuses the
                 # checkpoint itself, with its own error.
-                meta, file_bytes = self._run(ev.PlanCheckpoint(lease, generated_tokens, pending_token)), 0
+                meta, file_bytes = self._run(ev.PlanCheckpoint(lease, generated_tokens, pending_token, note)), 0
                 if meta is not None:
                     file_bytes = self._interpreter.checkpoint_file_bytes(handle, meta, tokens)
                 return self._run(ev.Checkpoint(lease, handle, tokens, covered, generated_tokens,
-                                               pending_token, facts.nbytes, file_bytes))
+                                               pending_token, facts.nbytes, file_bytes, note))
             except BaseException:
                 self._interpreter.unstage(handle)
                 raise
+
+    def checkpoint_note(self, key: str, namespace: str = DEFAULT_NAMESPACE) -> str | None:
+        """The note of the checkpoint kept for continuation ``key`` in ``namespace`` (written or being
+        written), or None where none is kept."""
+        return self._run(ev.CheckpointNote(namespace, key))
 
     def release(self, request: Request, completed: bool = True) -> None:
         """The request is done: its bytes return to the budget; a completed one's checkpoints go.

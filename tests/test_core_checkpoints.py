@@ -6,7 +6,7 @@ import attrs
 import pytest
 
 from kvstate.core import events as ev
-from kvstate.core.errors import CheckpointNotAllowed, TokensDoNotMatchCaches
+from kvstate.core.errors import CheckpointNotAllowed, InvalidRequest, TokensDoNotMatchCaches
 from kvstate.core.replies import Acquired, Pending, Source
 from kvstate.core.request import Continuation, Request
 from kvstate.effects import completions as done
@@ -149,3 +149,32 @@ def test_a_checkpoint_that_fails_to_read_is_deleted_and_the_acquire_falls_back()
     assert reply == Acquired(lease, handle, 0, Source.FRESH)
     assert core.effects == (fx.DeleteCheckpoint(key), fx.MakeFresh(handle))  # the handle is the caller's still
     assert core.counts() == {"misses": 2, "checkpoints_written": 1, "rejected_files": 1, "bytes_written": 6}
+
+
+def test_a_checkpoints_note_is_recorded_in_its_meta_and_answered_for_its_key_in_its_namespace_only():
+    core = checkpointing()
+    lease, _, _ = core.acquire((1, 2), continuation=Continuation("k", 1))
+    assert core(ev.CheckpointNote("n", "k")) is None
+    assert core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 6, note='{"a": 1}')) is True
+    assert core.of(fx.WriteCheckpoint)[0].meta.note == '{"a": 1}'
+    assert core(ev.CheckpointNote("n", "k")) == '{"a": 1}'      # answered while its file is written
+    assert core(ev.CheckpointNote("other", "k")) is None        # another tenant's key of the same name
+    assert core(ev.CheckpointNote("n", "k2")) is None
+    core(ev.Release(lease, completed=True))                    # a completed generation keeps no checkpoint
+    assert core(ev.CheckpointNote("n", "k")) is None
+
+
+def test_a_checkpoint_found_by_a_scan_answers_its_files_note():
+    core = checkpointing()
+    meta = fx.CheckpointMeta("n\x1f\x1fk", "n", 2, 1, None, 1, False, note="fingerprint")
+    core(done.Scanned(checkpoints=(done.SavedCheckpoint(meta, 3, 6),)))
+    assert core(ev.CheckpointNote("n", "k")) == "fingerprint"
+
+
+def test_a_note_that_is_not_text_is_refused_and_changes_nothing():
+    core = checkpointing()
+    lease, _, _ = core.acquire((1, 2), continuation=Continuation("k", 1))
+    before = core.state
+    with pytest.raises(InvalidRequest, match="note must be a string"):
+        core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 6, note=b"x"))
+    assert core.state == before

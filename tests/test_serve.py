@@ -39,12 +39,14 @@ def free_port() -> int:
 class Server:
     """A server process on a free port: ``kvstate serve`` (or stock ``mlx_lm.server``)."""
 
-    def __init__(self, model_dir: Path, *extra: str, stock: bool = False, log: Path | None = None):
+    def __init__(self, model_dir: Path, *extra: str, stock: bool = False, log: Path | None = None,
+                 environment: dict[str, str] | None = None):
         self.port = free_port()
         command = ([sys.executable, "-m", "mlx_lm", "server"] if stock
                    else [sys.executable, "-m", "kvstate.interpreters.cli", "serve"])
         self.log = log or model_dir.parent / f"server-{self.port}.log"
-        environment = {**os.environ, "KVSTATE_CACHE_DIR": str(model_dir.parent / "kvstate-cache")}
+        environment = {**os.environ, "KVSTATE_CACHE_DIR": str(model_dir.parent / "kvstate-cache"),
+                       **(environment or {})}
         self.process = subprocess.Popen([*command, "--model", str(model_dir), "--port", str(self.port), *extra],
                                         stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=environment)
         deadline = time.monotonic() + 120

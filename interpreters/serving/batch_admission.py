@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -42,6 +42,7 @@ from kvstate.core.tokens import Tokens
 from kvstate.interpreters.serving.model_names import requested_key
 from kvstate.interpreters.serving.pins import PIN_ATTRIBUTE, PinAsked
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
+from kvstate.interpreters.serving.resumable import Generation, ReplayingQueue, Resumption, vocabulary
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
 
 #: The step in tokens by which mlx-lm's batch caches grow (``BatchKVCache.step``).
@@ -81,8 +82,10 @@ class BatchAdmission:
 
     def __init__(self, cache: KvStatePromptCache, share_wait_s: float = 5.0,
                  min_shared_tokens: int = MIN_SHARED_TOKENS, snapshot_every: int | None = None,
-                 read_ahead: bool = False):
+                 read_ahead: bool = False, resumption: Resumption | None = None):
         self.cache = cache
+        #: How generations with a client key are checkpointed and resumed (None: they are not).
+        self.resumption = resumption
         #: Where a model's layers cannot all be cut into blocks: a row's state is kept as a snapshot
         #: whenever its prefill passes a multiple of this many tokens (None: at segment ends only).
         self.snapshot_every = snapshot_every
@@ -102,6 +105,8 @@ class BatchAdmission:
         self._unplaced_pin: PinAsked | None = None  # the pin of the request admitted last
         self._unplaced: Request | None = None     # admitted, not yet a batch row (or served unbatched)
         self._unplaced_namespace: str | None = None  # the namespace of the request dequeued last
+        self._unplaced_generation: Generation | None = None  # its resumable generation, if it is one
+        self._generations: dict[int, Generation] = {}  # batch uid -> its resumable generation
         self._tokenized: tuple[int, tuple] | None = None  # (id of the server request, its tokenization)
         self._rows: dict[int, Request] = {}       # batch uid -> its lease
         self.peak_batch_bytes = 0
@@ -208,7 +213,10 @@ class BatchAdmission:
             self._unplaced_namespace = arrival.namespace  # the server's to serve, in the request's namespace
             return ADMITTED
         rqueue, request, args = arrival.item
-        lease = Request(arrival.prompt, args.max_tokens)
+        lease = None
+        if self.resumption is not None:
+            lease = self.resumption.lease(request, arrival.tokenized, args, arrival.prompt)
+        lease = lease or Request(arrival.prompt, args.max_tokens)
         try:
             admitted = self.service.admit(lease, arrival.namespace)
         except KvStateError as error:  # can never run (the handler's check did not see it): say why
@@ -219,10 +227,20 @@ class BatchAdmission:
                 arrival.waited_for_room = True
                 self.waited += 1
             return WAIT
-        self._tokenized = (id(request), arrival.tokenized)
+        tokenized, acquired, generation = arrival.tokenized, None, None
+        if lease.continuation is not None:
+            try:
+                generation, tokenized, acquired = self.resumption.begin(lease, arrival.namespace, request,
+                                                                        tokenized, args)
+            except KvStateError as error:
+                self.service.release(lease, completed=False)
+                rqueue.put(error)
+                return REFUSED
+            arrival.item = (self.resumption.queue(rqueue, generation), request, args)
+        self._tokenized = (id(request), tokenized)
         self._unplaced, self._unplaced_namespace = lease, arrival.namespace
-        self._unplaced_pin = arrival.pin
-        self.cache.expect(lease, arrival.namespace)
+        self._unplaced_pin, self._unplaced_generation = arrival.pin, generation
+        self.cache.expect(lease, arrival.namespace, acquired, tokenized[0])
         return ADMITTED
 
     def tokenized(self, request: Any) -> tuple | None:
@@ -232,21 +250,30 @@ class BatchAdmission:
         return None
 
     def _end_unplaced(self) -> None:
-        """A request admitted and never made a batch row was served unbatched or failed: it is done."""
+        """A request admitted and never made a batch row was served unbatched or failed: it is done (a
+        resumable generation that did not finish keeps its checkpoint for a retry)."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
+        generation, self._unplaced_generation = self._unplaced_generation, None
         self._unplaced_namespace, self._unplaced_pin = None, None
         if lease is not None:
             self.cache.unexpect(lease)
-            self.service.release(lease)
+            self.service.release(lease, completed=generation is None or generation.finished)
 
     # ------------------------------------------------------------ the batch generator's side
 
-    def placed(self, uids: list[int], segments: Any = None, cached: Any = None) -> None:
+    def placed(self, uids: list[int], segments: Any = None, cached: Any = None,
+               extract: Callable[[list[int]], dict] | None = None) -> None:
         """Rows ``uids`` joined the batch, with their prompt ``segments`` left to compute after the
-        ``cached`` tokens (``insert_segments``' arguments)."""
+        ``cached`` tokens (``insert_segments``' arguments); ``extract(uids)`` is the batch's
+        ``extract_cache`` (a resumable row's checkpoints are taken from it)."""
         lease, self._unplaced, self._tokenized = self._unplaced, None, None
         namespace, self._unplaced_namespace = self._unplaced_namespace, None
         pin, self._unplaced_pin = self._unplaced_pin, None
+        generation, self._unplaced_generation = self._unplaced_generation, None
+        if generation is not None and len(uids) == 1 and extract is not None:
+            uid = uids[0]
+            generation.state = lambda: extract([uid]).get(uid)
+            self._generations[uid] = generation
         for uid in uids:
             if namespace is not None:  # a row of no known request keeps nothing
                 self._namespaces[uid] = namespace
@@ -320,18 +347,21 @@ class BatchAdmission:
         self.publishing(uid, tokens)
         self.cache.insert_cache(self.cache.model_key, list(tokens), caches, cache_type="chunk")
 
-    def ended(self, uids: Any) -> None:
+    def ended(self, uids: Any, completed: bool = True) -> None:
+        """Rows ``uids`` left the batch, their generations ``completed`` or not (removed, or the server
+        stopping): a resumable one that did not complete keeps its checkpoint for a retry."""
         for uid in uids:
             self._snapshotted.pop(uid, None)
             self._namespaces.pop(uid, None)
             self._pins.pop(uid, None)
             self._computing.pop(uid, None)
+            generation = self._generations.pop(uid, None)
             lease = self._rows.pop(uid, None)
             if lease is not None:
-                self.service.release(lease)
+                self.service.release(lease, completed=completed or (generation is not None and generation.finished))
 
     def close(self) -> None:
-        self.ended(list(self._rows))
+        self.ended(list(self._rows), completed=False)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """The batch prefilled ``tokens`` prompt tokens in ``seconds`` (its pace: whether a disk hit
@@ -375,9 +405,17 @@ def admitting_generator(server: Any, admission: BatchAdmission) -> type:
         def _serve_single(self, request, stream):
             # Served outside the batch (a seed, --kv-bits, a draft model, images): the fetch and the
             # insert inside are this request's, in its namespace.
-            with admission.cache.serving(getattr(request[1], NAMESPACE_ATTRIBUTE, None),
-                                         getattr(request[1], PIN_ATTRIBUTE, None)):
-                return super()._serve_single(request, stream)
+            queue, _, args = request
+            seed = args.seed
+            if isinstance(queue, ReplayingQueue) and queue.generation.resumed and seed is not None:
+                admission.resumption.advance_sampler(queue.generation, args, vocabulary(self.model_provider.model))
+                args.seed = None  # seeded, and advanced past the draws already made: not seeded again
+            try:
+                with admission.cache.serving(getattr(request[1], NAMESPACE_ATTRIBUTE, None),
+                                             getattr(request[1], PIN_ATTRIBUTE, None)):
+                    return super()._serve_single(request, stream)
+            finally:
+                args.seed = seed
 
         def _tokenize(self, tokenizer, request, args):
             done = admission.tokenized(request)
@@ -397,7 +435,7 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
     class MeasuredBatchGenerator(base):
         def insert_segments(self, segments, *args, **kwargs):
             uids = super().insert_segments(segments, *args, **kwargs)
-            admission.placed(uids, segments, kwargs.get("all_tokens"))
+            admission.placed(uids, segments, kwargs.get("all_tokens"), extract=lambda ids: base.extract_cache(self, ids))
             return uids
 
         def extract_cache(self, uids):
@@ -431,7 +469,7 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
             try:
                 return super().remove(uids, *args, **kwargs)
             finally:
-                admission.ended(list(uids))
+                admission.ended(list(uids), completed=False)
 
         def close(self):
             try:

@@ -65,7 +65,7 @@ class KvStatePromptCache:
         self._serving_pin: PinAsked | None = None  # and the pin it asked for
         self._lock = threading.Lock()
         self._types: dict[tuple[str, tuple[int, ...]], str] = {}
-        self._expected: dict[tuple[int, ...], tuple[Request, str]] = {}
+        self._expected: dict[tuple[int, ...], tuple[Request, str, Any]] = {}
         self._announced: dict[tuple[int, ...], deque[tuple[str | None, PinAsked | None]]] = {}
         self._stats: tuple[float, dict] | None = None
         #: Told of every request's fetch and of the state kept at the end of its reply, where the server
@@ -77,16 +77,20 @@ class KvStatePromptCache:
 
     # ------------------------------------------------------------ admission's side
 
-    def expect(self, request: Request, namespace: str | None = None) -> None:
-        """The next fetch of ``request.prompt`` is this admitted request's, in ``namespace`` (the
-        default one if None): it acquires under that lease, which stays live until the caller
-        releases it (the end of its batch row)."""
-        self._expected[request.prompt] = (request, namespace or self.namespace)
+    def expect(self, request: Request, namespace: str | None = None, acquired: Any = None,
+               tokens: Any = None) -> None:
+        """The next fetch of ``request.prompt`` (or of ``tokens``) is this admitted request's, in
+        ``namespace`` (the default one if None): it acquires under that lease, which stays live until
+        the caller releases it (the end of its batch row). With ``acquired``, the lease's state is
+        acquired already (a resumable generation's: :mod:`~kvstate.interpreters.serving.resumable`),
+        and the fetch hands over its caches, fresh ones included."""
+        key = request.prompt if tokens is None else tuple(tokens)
+        self._expected[key] = (request, namespace or self.namespace, acquired)
 
     def unexpect(self, request: Request) -> None:
-        expected = self._expected.get(request.prompt)
-        if expected is not None and expected[0] is request:
-            del self._expected[request.prompt]
+        for key, expected in list(self._expected.items()):
+            if expected[0] is request:
+                del self._expected[key]
 
     def announce(self, tokens: Any, namespace: str | None, pin: PinAsked | None = None) -> None:
         """The server's next insert of ``tokens`` is a row of ``namespace``'s (inserts of the same
@@ -126,14 +130,16 @@ class KvStatePromptCache:
         if model != self.model_key or not tokens:
             return None, tokens
         key = tuple(tokens)
-        admitted, namespace = self._expected.pop(key, (None, self._serving or self.unannounced))
+        admitted, namespace, acquired = self._expected.pop(key, (None, self._serving or self.unannounced, None))
         if self._serving_pin is not None and not self._serving_pin.prompt_tokens:
             self._serving_pin = attrs.evolve(self._serving_pin, prompt_tokens=len(key))
         if namespace is None:
             return None, tokens  # whose request this is is not known: reuse nothing
         self._tick()
         started = time.perf_counter()
-        if admitted is None:  # a request admission holds elsewhere (served on its own): a lookup, no lease
+        if acquired is not None:
+            state = acquired
+        elif admitted is None:  # a request admission holds elsewhere (served on its own): a lookup, no lease
             state = self.service.lookup(key, namespace)
         else:
             try:
@@ -145,9 +151,10 @@ class KvStatePromptCache:
                      state.source.name.lower(), 1e3 * (time.perf_counter() - started))
         if self.recorder is not None:
             self.recorder.fetched(namespace, key, state.reused_tokens)
-        if state.reused_tokens == 0:
+        covered = len(state.resumed_tokens) if state.resumed is not None else state.reused_tokens
+        if covered == 0 and acquired is None:
             return None, tokens
-        return state.caches, tokens[state.reused_tokens:]
+        return state.caches, tokens[covered:]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:

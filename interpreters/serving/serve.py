@@ -42,7 +42,11 @@ from kvstate.interpreters.serving.pins import (
     PIN_ATTRIBUTE, BadPinSeconds, BadWarmPrompt, PinAsked, pin_seconds, warm, warm_prompt_tokens,
 )
 from kvstate.interpreters.serving.prompt_cache import KvStatePromptCache
-from kvstate.interpreters.service import KvCacheService
+from kvstate.interpreters.serving.resumable import (
+    IDEMPOTENCY_FIELD, IDEMPOTENCY_HEADER, RESUMABLE_ATTRIBUTE, BadIdempotencyKey, Resumable, Resumption,
+    idempotency_key, request_fingerprint,
+)
+from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
 from kvstate.interpreters.serving.trace_recording import TraceRecorder, recording_refusal
 
@@ -228,10 +232,13 @@ def scan_line(result: ScanResult) -> str:
 
 def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchAdmission | None = None) -> type:
     """mlx-lm's request handler with ``GET /metrics`` added, a request's ``cache_salt`` made its
-    namespace, the server's default max_tokens lowered to what fits, and requests that can never run
-    (or with a bad salt) refused with a 400 before they reach the generation thread; everything else
-    is the server's own."""
+    namespace, the server's default max_tokens lowered to what fits, a request with a client key made
+    resumable (:mod:`~kvstate.interpreters.serving.resumable`), and requests that can never run (or
+    with a bad salt or key, or a key in use) refused before they reach the generation thread;
+    everything else is the server's own."""
     from prometheus_client import CONTENT_TYPE_LATEST
+
+    resumption = admission.resumption if admission is not None else None
 
     class KvStateHandler(server.APIHandler):
         def handle_completion(self, request, stop_words):
@@ -242,6 +249,24 @@ def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchA
                     setattr(request, NAMESPACE_ATTRIBUTE, salt_namespace(salt))
                 except BadCacheSalt as error:
                     return self._refuse(str(error), "cache_salt")
+            try:
+                key = idempotency_key(self.headers.get(IDEMPOTENCY_HEADER), body)
+            except BadIdempotencyKey as error:
+                return self._refuse(str(error), IDEMPOTENCY_FIELD)
+            if key is None or resumption is None:
+                return self._serve(request, stop_words, body)
+            namespace = getattr(request, NAMESPACE_ATTRIBUTE, None) or DEFAULT_NAMESPACE
+            fingerprint = request_fingerprint(body)
+            refusal = resumption.keys.claim(namespace, key, fingerprint)
+            if refusal is not None:
+                return self._refuse(refusal.message, IDEMPOTENCY_FIELD, refusal.status)
+            try:
+                setattr(request, RESUMABLE_ATTRIBUTE, Resumable(key, fingerprint))
+                return self._serve(request, stop_words, body)
+            finally:
+                resumption.keys.release(namespace, key)
+
+        def _serve(self, request, stop_words, body):
             pin = None
             if body.get("cache_pin_seconds") is not None:
                 try:
@@ -262,8 +287,8 @@ def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchA
                 setattr(request, PIN_ATTRIBUTE, pin)
             return super().handle_completion(request, stop_words)
 
-        def _refuse(self, why: str, param: str | None) -> None:
-            self._set_completion_headers(400)
+        def _refuse(self, why: str, param: str | None, status: int = 400) -> None:
+            self._set_completion_headers(status)
             self.end_headers()
             # the OpenAI error shape, so clients show the reason
             self.wfile.write(json.dumps({"error": {"message": why, "type": "invalid_request_error",
@@ -332,6 +357,11 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "passes it; chunks are --prefill-step-size long), so an edit or a regenerate "
                              "reuses up to the last one before it (0: at segment ends only; default "
                              f"{SNAPSHOT_EVERY})")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="TOKENS",
+                        help="checkpoint each generation that carries a client key (the Idempotency-Key header, "
+                             "or an idempotency_key body field) every this many generated tokens, on the disk "
+                             "tier; the same request sent again after a crash or a lost connection resumes from "
+                             "its last checkpoint (needs --disk-dir; default: none)")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     parser.add_argument("--warm-prompt", action="append", default=[], metavar="FILE",
                         help="prefill this prompt before serving and keep it in RAM until the server stops: a "
@@ -381,7 +411,7 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
         write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour,
         block_tokens=options.block_tokens or None, pin_share=options.pin_share,
-        max_pin_seconds=options.max_pin_seconds)
+        max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     try:
         if options.record_trace is not None:
@@ -407,6 +437,9 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
     def run(host: str, port: int, model_provider: Any, *rest: Any, **named: Any) -> None:
         if model_provider.cli_args.model is None:
             raise SystemExit("kvstate serve needs --model PATH: the mlx-lm model directory to serve")
+        if options.checkpoint_every is not None and model_provider.cli_args.kv_bits is not None:
+            raise SystemExit("kvstate serve: --checkpoint-every does not work with --kv-bits (caches quantised "
+                             "during generation are not checkpointed); drop one of them")
         if not all(isinstance(getattr(model_provider, name, None), dict) for name in NAME_MAPS):
             raise ServerInternalsMoved(f"mlx-lm's ModelProvider no longer has {', '.join(NAME_MAPS)}, which "
                                        f"kvstate serve extends; install mlx-lm "
@@ -419,8 +452,11 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         wait = options.shared_prefix_wait if options.shared_prefix_wait is not None else default_shared_prefix_wait()
         # Chunk snapshots are for models whose layers cannot all be cut: blocks serve any prefix of the others.
         snapshot_every = None if mlx_blocks.blockable(cache.service.interpreter.fresh()) else options.snapshot_every
+        resumption = None
+        if options.checkpoint_every is not None:
+            resumption = Resumption(cache.service, options.checkpoint_every, server, model_provider)
         admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=snapshot_every or None,
-                                   read_ahead=options.read_ahead)
+                                   read_ahead=options.read_ahead, resumption=resumption)
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
@@ -465,6 +501,11 @@ def main(argv: Sequence[str]) -> int:
     if options.disk_write_bytes_per_hour is not None and options.disk_write_bytes_per_hour < 1:
         print(f"kvstate serve: --disk-write-bytes-per-hour is a size of at least 1 byte; "
               f"got {options.disk_write_bytes_per_hour}", file=sys.stderr)
+        return 2
+    if options.checkpoint_every is not None and (options.checkpoint_every < 1 or options.disk_dir is None):
+        print(f"kvstate serve: --checkpoint-every is a number of tokens, 1 or more, and needs --disk-dir (where "
+              f"checkpoints are written); got {options.checkpoint_every}"
+              f"{'' if options.disk_dir else ' without --disk-dir'}", file=sys.stderr)
         return 2
     if options.snapshot_every < 0:
         print(f"kvstate serve: --snapshot-every is a number of tokens, 0 (segment ends only) or more; "
