@@ -84,7 +84,8 @@ def found_at_scan(d: Draft, saved: Iterable[done.SavedCheckpoint], capacity: int
             deleted, deleted_bytes = deleted + 1, deleted_bytes + found.file_bytes
             continue
         d.checkpoints = d.checkpoints.set(found.meta.key, CheckpointRecord(
-            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes, note=found.meta.note))
+            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes, note=found.meta.note,
+            touched_at=d.now))
         d.disk.bytes += found.file_bytes
     return deleted, deleted_bytes
 
@@ -104,6 +105,21 @@ def checkpoint_meta(lease: Lease, generated_tokens: int, pending_token: int | No
     continuation = lease.request.continuation
     return fx.CheckpointMeta(lease.checkpoint_key, lease.namespace, len(lease.request.prompt), generated_tokens,
                              pending_token, continuation.seed, continuation.seed_was_explicit, note)
+
+
+def expire_untouched(d: Draft) -> None:
+    """Checkpoints of generations not running, that nothing wrote or resumed for ``checkpoint_keep_s``
+    seconds, are deleted and counted (at a clock tick): a client that never retried leaves no file for
+    ever. A write still in flight keeps its checkpoint until it settles."""
+    keep = d.config.checkpoint_keep_s
+    if keep is None or not d.checkpoints:
+        return
+    running = {lease.checkpoint_key for lease in d.leases.values() if lease.checkpoint_key is not None}
+    for key, record in list(d.checkpoints.items()):
+        if key not in running and record.pending == 0 and d.now - record.touched_at >= keep:
+            d.out.append(fx.DeleteCheckpoint(key))
+            forget_checkpoint(d, key)
+            d.count("checkpoints_expired")
 
 
 def kept_note(state: ServiceState, e: ev.CheckpointNote) -> Step:
@@ -143,7 +159,7 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
     record = state.checkpoints.get(key) or CheckpointRecord(lease.namespace)
     d.checkpoints = d.checkpoints.set(key, attrs.evolve(
         record, pending=record.pending + 1, pending_bytes=record.pending_bytes + e.nbytes,
-        pending_file_bytes=record.pending_file_bytes + e.file_bytes, note=e.note))
+        pending_file_bytes=record.pending_file_bytes + e.file_bytes, note=e.note, touched_at=d.now))
     d.writes_add(1, e.nbytes)
     d.disk.bytes += e.file_bytes
     meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token, e.note)

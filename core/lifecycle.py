@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvstate.core import events as ev
 from kvstate.core.blocks import block_key, namespace_key
-from kvstate.core.checkpoints import found_at_scan
+from kvstate.core.checkpoints import expire_untouched, found_at_scan
 from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
@@ -192,6 +192,7 @@ def tick(state: ServiceState, e: ev.Tick) -> Step:
     d = Draft(state)
     clock_tick(d, e.now)
     expire(d)
+    expire_untouched(d)
     return d.step(None)
 
 

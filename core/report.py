@@ -78,6 +78,8 @@ class Report:
     checkpoint_bytes: int
     checkpoints_written: int
     resumes: int
+    #: Checkpoints deleted because nothing resumed them within ``checkpoint_keep_s``.
+    checkpoints_expired: int
     #: Prefixes pinned, pins asked of a prefix RAM did not hold, and the RAM entries pinned now and
     #: their bytes (:mod:`~kvstate.core.pins`).
     pins: int
@@ -122,7 +124,7 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         pending_writes=state.writes.count, pending_write_bytes=state.writes.bytes,
         dropped_writes=c.dropped_writes, failed_writes=c.failed_writes,
         checkpoints=len(state.checkpoints), checkpoint_bytes=sum(r.file_bytes for r in state.checkpoints.values()),
-        checkpoints_written=c.checkpoints_written, resumes=c.resumes,
+        checkpoints_written=c.checkpoints_written, resumes=c.resumes, checkpoints_expired=c.checkpoints_expired,
         pins=c.pins, pins_missed=c.pins_missed, pinned_entries=pinned_entries, pinned_bytes=pinned,
         live_requests=len(state.leases), projected_bytes=state.projected_bytes,
         measured_bytes=state.measured_bytes, budget_bytes=config.kv_budget_bytes)

@@ -142,6 +142,10 @@ class ServiceConfig:
     write_idle_after: float | None = None
     write_bytes_per_hour: int | None = None
     checkpoint_every_tokens: int | None = None
+    #: A checkpoint whose generation is not running and that nothing has written or resumed for this
+    #: many seconds is deleted at a clock tick (its client never came back); None: kept until its
+    #: generation completes (or a scan finds the disk budget too small for it).
+    checkpoint_keep_s: float | None = None
     identity: str = ""
     retention: Retention | None = None
     #: Whether kept RAM state is held, at every boundary, to what the KV budget leaves beside the
@@ -176,7 +180,7 @@ class ServiceConfig:
             policy(self.policy)
         except KeyError as error:
             raise InvalidConfig(str(error)) from None
-        for name in ("demote_idle_after", "write_idle_after"):
+        for name in ("demote_idle_after", "write_idle_after", "checkpoint_keep_s"):
             seconds = getattr(self, name)
             if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                         or not 0 < seconds < float("inf")):
@@ -350,6 +354,8 @@ class CheckpointRecord:
     pending_file_bytes: int = 0
     #: The caller's note of the latest checkpoint offered (or found at the scan) under the key.
     note: str = ""
+    #: The service's clock when a checkpoint was last offered under the key (or the scan found it).
+    touched_at: float = 0.0
 
 
 class Counters(NamedTuple):
@@ -375,6 +381,7 @@ class Counters(NamedTuple):
     failed_writes: int = 0
     checkpoints_written: int = 0
     resumes: int = 0
+    checkpoints_expired: int = 0
     prefill_tokens_saved: int = 0
     object_hits: int = 0
     object_misses: int = 0

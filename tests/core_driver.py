@@ -74,5 +74,5 @@ def tiered(**options):
     return Core(**{"disk_capacity_bytes": 1000, **options})
 
 
-def checkpointing():
-    return tiered(checkpoint_every_tokens=1)
+def checkpointing(**config):
+    return tiered(checkpoint_every_tokens=1, **config)

@@ -178,3 +178,38 @@ def test_a_note_that_is_not_text_is_refused_and_changes_nothing():
     with pytest.raises(InvalidRequest, match="note must be a string"):
         core(ev.Checkpoint(lease, 9, (1, 2, 3), 3, 1, None, 5, 6, note=b"x"))
     assert core.state == before
+
+
+def test_a_checkpoint_nothing_resumed_within_the_keep_time_is_deleted_at_a_tick_and_counted():
+    core = checkpointing(checkpoint_keep_s=60)
+    continuation = Continuation("k", 1)
+    core(ev.Tick(100.0))
+    meta = interrupted(core, continuation)              # written at 100, its generation gone
+    core(ev.Tick(159.0))
+    assert meta.key in core.state.checkpoints and core.of(fx.DeleteCheckpoint) == []
+    core(ev.Tick(160.0))
+    assert core.of(fx.DeleteCheckpoint) == [fx.DeleteCheckpoint(meta.key)]
+    assert meta.key not in core.state.checkpoints and core.state.disk.bytes == 0
+    assert core.counts()["checkpoints_expired"] == 1
+
+
+def test_a_running_or_just_resumed_generations_checkpoint_is_kept_past_the_keep_time():
+    core = checkpointing(checkpoint_keep_s=60)
+    continuation = Continuation("k", 1)
+    core(ev.Tick(100.0))
+    meta = interrupted(core, continuation)
+    core(ev.Tick(150.0))
+    lease, handle, _ = core.acquire((1, 2), continuation=continuation)   # the retry resumes it at 150
+    core(done.CheckpointResumed(handle, meta, (1, 2, 3)))
+    core(ev.Tick(500.0))                                                 # running: kept however long
+    assert meta.key in core.state.checkpoints
+    core(ev.Release(lease, completed=False))                             # gone again, untouched since 150
+    core(ev.Tick(500.0))
+    assert meta.key not in core.state.checkpoints and core.counts()["checkpoints_expired"] == 1
+
+
+def test_without_a_keep_time_an_interrupted_generations_checkpoint_stays():
+    core = checkpointing()
+    meta = interrupted(core, Continuation("k", 1))
+    core(ev.Tick(10.0 ** 9))
+    assert meta.key in core.state.checkpoints and "checkpoints_expired" not in core.counts()

@@ -72,8 +72,10 @@ class KvStatePromptCache:
         #: records its traffic (:mod:`~kvstate.interpreters.serving.trace_recording`); None: not recorded.
         self.recorder: Any = None
         config = service.config
-        # The clock reaches the service only where a rule reads it (idle writes, idle demotion).
-        self._clocked = config.write_idle_after is not None or config.demote_idle_after is not None
+        # The clock reaches the service only where a rule reads it (idle writes, idle demotion, checkpoints
+        # left by clients that never came back).
+        self._clocked = (config.write_idle_after is not None or config.demote_idle_after is not None
+                         or (config.checkpoints and config.checkpoint_keep_s is not None))
 
     # ------------------------------------------------------------ admission's side
 

@@ -362,6 +362,9 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "or an idempotency_key body field) every this many generated tokens, on the disk "
                              "tier; the same request sent again after a crash or a lost connection resumes from "
                              "its last checkpoint (needs --disk-dir; default: none)")
+    parser.add_argument("--checkpoint-keep", type=float, default=CHECKPOINT_KEEP_S, metavar="SECONDS",
+                        help="delete the checkpoint of a generation that stopped unfinished once nothing has "
+                             f"resumed it for this long (a client that never retried; default {CHECKPOINT_KEEP_S:g})")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     parser.add_argument("--warm-prompt", action="append", default=[], metavar="FILE",
                         help="prefill this prompt before serving and keep it in RAM until the server stops: a "
@@ -374,6 +377,10 @@ def kvstate_options() -> argparse.ArgumentParser:
                         help="the longest a request's cache_pin_seconds may pin its prompt's state for "
                              "(default 3600)")
     return parser
+
+
+#: How long the checkpoint of an unfinished generation waits for its retry by default.
+CHECKPOINT_KEEP_S = 3600.0
 
 
 #: Tokens between a hybrid model's chunk snapshots by default: mlx-lm's default prefill chunk.
@@ -411,7 +418,8 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         ram_within_kv_budget=True, weights_dir=model_provider.cli_args.model if plain else None,
         write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour,
         block_tokens=options.block_tokens or None, pin_share=options.pin_share,
-        max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every)
+        max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every,
+        checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     try:
         if options.record_trace is not None:
@@ -506,6 +514,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvstate serve: --checkpoint-every is a number of tokens, 1 or more, and needs --disk-dir (where "
               f"checkpoints are written); got {options.checkpoint_every}"
               f"{'' if options.disk_dir else ' without --disk-dir'}", file=sys.stderr)
+        return 2
+    if not 0 < options.checkpoint_keep < float("inf"):
+        print(f"kvstate serve: --checkpoint-keep is seconds, more than 0; got {options.checkpoint_keep}",
+              file=sys.stderr)
         return 2
     if options.snapshot_every < 0:
         print(f"kvstate serve: --snapshot-every is a number of tokens, 0 (segment ends only) or more; "
