@@ -84,8 +84,7 @@ def found_at_scan(d: Draft, saved: Iterable[done.SavedCheckpoint], capacity: int
             deleted, deleted_bytes = deleted + 1, deleted_bytes + found.file_bytes
             continue
         d.checkpoints = d.checkpoints.set(found.meta.key, CheckpointRecord(
-            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes, note=found.meta.note,
-            touched_at=d.now))
+            found.meta.namespace, durable_tokens=found.tokens, file_bytes=found.file_bytes, note=found.meta.note))
         d.disk.bytes += found.file_bytes
     return deleted, deleted_bytes
 
@@ -116,7 +115,9 @@ def expire_untouched(d: Draft) -> None:
         return
     running = {lease.checkpoint_key for lease in d.leases.values() if lease.checkpoint_key is not None}
     for key, record in list(d.checkpoints.items()):
-        if key not in running and record.pending == 0 and d.now - record.touched_at >= keep:
+        if record.touched_at is None:  # touched since the last tick: dated now
+            d.checkpoints = d.checkpoints.set(key, attrs.evolve(record, touched_at=d.now))
+        elif key not in running and record.pending == 0 and d.now - record.touched_at >= keep:
             d.out.append(fx.DeleteCheckpoint(key))
             forget_checkpoint(d, key)
             d.count("checkpoints_expired")
@@ -159,7 +160,7 @@ def checkpoint(state: ServiceState, e: ev.Checkpoint) -> Step:
     record = state.checkpoints.get(key) or CheckpointRecord(lease.namespace)
     d.checkpoints = d.checkpoints.set(key, attrs.evolve(
         record, pending=record.pending + 1, pending_bytes=record.pending_bytes + e.nbytes,
-        pending_file_bytes=record.pending_file_bytes + e.file_bytes, note=e.note, touched_at=d.now))
+        pending_file_bytes=record.pending_file_bytes + e.file_bytes, note=e.note, touched_at=None))
     d.writes_add(1, e.nbytes)
     d.disk.bytes += e.file_bytes
     meta = checkpoint_meta(lease, e.generated_tokens, e.pending_token, e.note)

@@ -315,7 +315,7 @@ def checkpoint_resumed(state: ServiceState, e: done.CheckpointResumed) -> Step:
         return _resume_rejected(state, e.meta.key, e.handle, drop_handle=True)
     d = Draft(state)
     d.count("resumes")
-    d.checkpoints = d.checkpoints.set(e.meta.key, attrs.evolve(d.checkpoints[e.meta.key], touched_at=d.now))
+    d.checkpoints = d.checkpoints.set(e.meta.key, attrs.evolve(d.checkpoints[e.meta.key], touched_at=None))
     served = Served(len(lease.request.prompt), Source.CHECKPOINT, counted=True, resumed=e.meta,
                     resumed_tokens=e.tokens)
     return d.step(finish_acquire(d, waiting.lease, e.handle, served))

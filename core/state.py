@@ -354,8 +354,10 @@ class CheckpointRecord:
     pending_file_bytes: int = 0
     #: The caller's note of the latest checkpoint offered (or found at the scan) under the key.
     note: str = ""
-    #: The service's clock when a checkpoint was last offered under the key (or the scan found it).
-    touched_at: float = 0.0
+    #: The service's clock at the first tick after a checkpoint was last offered, resumed or found under
+    #: the key (None: not ticked since; the clock's origin is the interpreter's, so a touch is dated by
+    #: the tick that follows it).
+    touched_at: float | None = None
 
 
 class Counters(NamedTuple):

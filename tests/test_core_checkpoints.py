@@ -183,8 +183,8 @@ def test_a_note_that_is_not_text_is_refused_and_changes_nothing():
 def test_a_checkpoint_nothing_resumed_within_the_keep_time_is_deleted_at_a_tick_and_counted():
     core = checkpointing(checkpoint_keep_s=60)
     continuation = Continuation("k", 1)
+    meta = interrupted(core, continuation)              # written before the tick at 100, its generation gone
     core(ev.Tick(100.0))
-    meta = interrupted(core, continuation)              # written at 100, its generation gone
     core(ev.Tick(159.0))
     assert meta.key in core.state.checkpoints and core.of(fx.DeleteCheckpoint) == []
     core(ev.Tick(160.0))
@@ -196,16 +196,27 @@ def test_a_checkpoint_nothing_resumed_within_the_keep_time_is_deleted_at_a_tick_
 def test_a_running_or_just_resumed_generations_checkpoint_is_kept_past_the_keep_time():
     core = checkpointing(checkpoint_keep_s=60)
     continuation = Continuation("k", 1)
-    core(ev.Tick(100.0))
     meta = interrupted(core, continuation)
-    core(ev.Tick(150.0))
-    lease, handle, _ = core.acquire((1, 2), continuation=continuation)   # the retry resumes it at 150
+    core(ev.Tick(100.0))
+    lease, handle, _ = core.acquire((1, 2), continuation=continuation)   # the retry resumes it before 150
     core(done.CheckpointResumed(handle, meta, (1, 2, 3)))
+    core(ev.Tick(150.0))
     core(ev.Tick(500.0))                                                 # running: kept however long
     assert meta.key in core.state.checkpoints
     core(ev.Release(lease, completed=False))                             # gone again, untouched since 150
-    core(ev.Tick(500.0))
+    core(ev.Tick(509.0))
     assert meta.key not in core.state.checkpoints and core.counts()["checkpoints_expired"] == 1
+
+
+def test_a_checkpoint_found_at_start_waits_the_whole_keep_time_from_the_first_tick():
+    core = checkpointing(checkpoint_keep_s=60)
+    meta = fx.CheckpointMeta("n\x1f\x1fk", "n", 2, 1, None, 1, False)
+    core(done.Scanned(checkpoints=(done.SavedCheckpoint(meta, 3, 6),)))
+    core(ev.Tick(10.0 ** 6))                 # the first tick after the restart, on a clock of any origin
+    core(ev.Tick(10.0 ** 6 + 59))
+    assert meta.key in core.state.checkpoints
+    core(ev.Tick(10.0 ** 6 + 60))
+    assert meta.key not in core.state.checkpoints
 
 
 def test_without_a_keep_time_an_interrupted_generations_checkpoint_stays():
