@@ -18,6 +18,12 @@ first token is the time to the first content chunk). Stock gets ``--prompt-cache
   this is what kvstate's chunk snapshots are for.
 - ``burst``: S requests at once sharing a long system prompt nothing holds yet, each with its own
   question: how much of the shared prompt the later ones reuse while the first computes it.
+- ``resume``: one generation of ``--resume-tokens`` tokens with an ``Idempotency-Key``, the server
+  killed (SIGKILL) ``--kill-at`` of the way through (kvstate once its checkpoint nearest there is
+  written, stock as long after its request), restarted, and the request sent again:
+  the time from the first request to the retry's last token (restart included), for kvstate with
+  ``--checkpoint-every`` (which resumes) and stock (which starts again), and kvstate's uninterrupted
+  run of the same request; with whether the resumed text equals the uninterrupted one.
 
 Each kind keeps the kernels compiled on first use in a folder of its own (``--jit-cache``): MLX's
 own kernels, and on CUDA the driver's compute cache, where the kernels cuDNN builds for each new
@@ -31,6 +37,7 @@ tokens the server reported, then kvstate's figures as ratios of stock's, and the
 compiled (those only one of them needed by name).
 
     python bench/serve.py [--geometry small|1b|8b] [--workloads chat,agent,overflow,restart]
+    python bench/serve.py --workloads resume [--resume-tokens 2000 --kill-at 1500 --checkpoint-every 256]
     python bench/serve.py --architecture qwen3_next --workloads edit --prefill-step-size 256 --snapshot-every 256
 """
 
@@ -41,6 +48,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -118,7 +127,8 @@ class Server:
     both_flags: list[str] = []
     kvstate_flags: list[str] = []
 
-    def __init__(self, kind: str, model: Path, ram_bytes: int, disk: Path | None, log: Path, jit_cache: Path):
+    def __init__(self, kind: str, model: Path, ram_bytes: int, disk: Path | None, log: Path, jit_cache: Path,
+                 extra: list[str] | None = None):
         self.port = free_port()
         if kind == "kvstate":
             command = [sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--ram-bytes", str(ram_bytes)]
@@ -127,7 +137,7 @@ class Server:
         else:
             command = [sys.executable, "-m", "mlx_lm", "server", "--prompt-cache-bytes", str(ram_bytes),
                        "--prompt-cache-size", "100000"]
-        command += Server.both_flags + (Server.kvstate_flags if kind == "kvstate" else [])
+        command += Server.both_flags + (Server.kvstate_flags if kind == "kvstate" else []) + (extra or [])
         self.process = subprocess.Popen([*command, "--model", str(model), "--port", str(self.port)],
                                         stdout=open(log, "a"), stderr=subprocess.STDOUT,
                                         env=jit_environment(jit_cache, kind))
@@ -154,13 +164,14 @@ class Server:
                                                    {"role": "user", "content": text(words, 10_000 + n)}], 4),
                               range(batch)))
 
-    def chat(self, messages: list[dict], max_tokens: int) -> dict:
+    def chat(self, messages: list[dict], max_tokens: int, headers: dict | None = None) -> dict:
         """One streamed chat completion: TTFT, tokens out, seconds, cached tokens, the reply."""
         body = json.dumps({"model": "default_model", "messages": messages, "max_tokens": max_tokens,
                            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         start = time.perf_counter()
-        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json",
+                                                                  **(headers or {})})
         response = connection.getresponse()
         if response.status != 200:  # a refusal is no figure: the run fails, saying why
             raise RequestFailed(f"the server answered {response.status}: {response.read()[:500].decode(errors='replace')}")
@@ -181,6 +192,30 @@ class Server:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return {"ttft": (first or end) - start, "tokens": usage.get("completion_tokens", 0), "seconds": end - start,
                 "cached": cached, "reply": "".join(pieces)}
+
+    def written_checkpoints(self) -> float:
+        """kvstate's ``kvstate_checkpoints_written_total`` now (0 where the server does not answer it)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as reply:
+                for line in reply.read().decode().splitlines():
+                    if line.startswith("kvstate_checkpoints_written_total "):
+                        return float(line.split()[1])
+        except OSError:
+            pass
+        return 0.0
+
+    def kill_when(self, due) -> threading.Thread:
+        """Kill the server (SIGKILL) as soon as ``due()`` holds, polled every 10 ms on a thread of its own
+        (the generation runs ahead of the stream the client reads)."""
+        def watch() -> None:
+            while self.process.poll() is None:
+                if due():
+                    self.process.kill()
+                    return
+                time.sleep(0.01)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        return watcher
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -294,6 +329,62 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
     return summary(records)
 
 
+def resume_run(kind: str, model: Path, args, work: Path, kill_after: float | None = None,
+               uninterrupted: bool = False) -> dict:
+    """One long generation with a client key, run once uninterrupted, or killed, restarted and sent
+    again: kvstate once the checkpoint nearest ``--kill-at`` of the way is written, stock
+    ``kill_after`` seconds after the request (when kvstate was killed). Seconds from the first
+    request to the last token, the restart's share, the retry's, and the text."""
+    log = work / f"{kind}-resume.log"
+    disk = work / f"disk-{kind}-resume-{uninterrupted}" if kind == "kvstate" else None
+    extra = ["--checkpoint-every", str(args.checkpoint_every)] if kind == "kvstate" else []
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text(args.user_words, 7)}]
+    headers = {"Idempotency-Key": f"bench-resume-{kind}"}
+    server = Server(kind, model, args.ram_bytes, disk, log, args.jit_cache, extra)
+    server.warm_up()
+    try:
+        start = time.perf_counter()
+        if uninterrupted:
+            reply = server.chat(messages, args.resume_tokens, headers)
+            return {"total": time.perf_counter() - start, "restart": 0.0, "retry": 0.0, "reply": reply["reply"],
+                    "tokens": reply["tokens"], "seconds": reply["seconds"], "ttft": reply["ttft"]}
+        if kind == "kvstate":
+            needed = max(1, round(args.kill_at * args.resume_tokens / args.checkpoint_every))
+            watcher = server.kill_when(lambda: server.written_checkpoints() >= needed)
+        else:
+            watcher = server.kill_when(lambda: time.perf_counter() - start >= kill_after)
+        try:
+            server.chat(messages, args.resume_tokens, headers)
+        except (OSError, http.client.HTTPException):
+            pass  # the connection went with the server
+        watcher.join()
+        killed = time.perf_counter() - start
+        restarted = time.perf_counter()
+        server = Server(kind, model, args.ram_bytes, disk, log, args.jit_cache, extra)
+        retried = time.perf_counter()
+        reply = server.chat(messages, args.resume_tokens, headers)
+        end = time.perf_counter()
+        resumed = re.findall(r"resumed after (\d+) tokens", log.read_text()) if kind == "kvstate" else []
+        return {"total": end - start, "restart": retried - restarted, "retry": end - retried, "reply": reply["reply"],
+                "tokens": reply["tokens"], "killed_at": killed, "resumed_after": int(resumed[-1]) if resumed else 0}
+    finally:
+        server.stop()
+
+
+def print_resume(rows: dict) -> None:
+    resumed, stock, whole = rows["kvstate"], rows["stock"], rows["uninterrupted"]
+    print(f"{'resume':10}{'run':24}{'total s':>9}{'restart s':>11}{'retry s':>9}{'tokens':>8}")
+    for name, row in (("kvstate, resumed", resumed), ("stock, started again", stock),
+                      ("kvstate, uninterrupted", whole)):
+        print(f"{'':10}{name:24}{row['total']:>9.2f}{row['restart']:>11.2f}{row['retry']:>9.2f}{row['tokens']:>8}")
+    print(f"{'':10}kvstate killed {resumed['killed_at']:.2f} s after its request, once its checkpoint near "
+          f"{resumed['resumed_after']} tokens was written (stock as long after its own), and resumed after "
+          f"{resumed['resumed_after']} tokens")
+    print(f"{'':10}{'ratio':24}kvstate resumed / stock {resumed['total'] / stock['total']:.2f}x, / uninterrupted "
+          f"{resumed['total'] / whole['total']:.2f}x; retry alone / stock's {resumed['retry'] / stock['retry']:.2f}x; "
+          f"resumed text equals the uninterrupted text: {'yes' if resumed['reply'] == whole['reply'] else 'NO'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="small",
@@ -304,6 +395,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--warm-up-batch", type=int, default=0,
                         help="after the warm-up requests, this many at once (0: none), on both servers")
+    parser.add_argument("--resume-tokens", type=int, default=2000, help="the resume workload's generation")
+    parser.add_argument("--kill-at", type=float, default=0.75,
+                        help="how far through the generation kvstate is killed: once its checkpoint nearest "
+                             "this share of --resume-tokens is written (stock as long after its request)")
+    parser.add_argument("--checkpoint-every", type=int, default=256, help="kvstate's --checkpoint-every")
     parser.add_argument("--restart-turns", type=int, default=None,
                         help="turns of each session before the restart (default: --turns minus one)")
     parser.add_argument("--user-words", type=int, default=150)
@@ -354,6 +450,12 @@ def main() -> None:
     rows = {}
     try:
         for name in args.workloads.split(","):
+            if name == "resume":
+                whole = resume_run("kvstate", model_dir, args, work, uninterrupted=True)
+                resumed = resume_run("kvstate", model_dir, args, work)
+                rows[name] = {"kvstate": resumed, "uninterrupted": whole,
+                              "stock": resume_run("stock", model_dir, args, work, resumed["killed_at"])}
+                continue
             rows[name] = {kind: run_workload(name, kind, model_dir, args, work) for kind in ("kvstate", "stock")}
     except BaseException:
         keep_logs(work, args.logs)  # a failed run's logs say why: keep them where asked, and the folder
@@ -361,9 +463,13 @@ def main() -> None:
     print(f"geometry {args.geometry}, {mx.default_device()}, sessions {args.sessions}, turns {args.turns}, "
           f"concurrency {args.concurrency}, RAM {args.ram_bytes >> 20} MiB (overflow {args.overflow_ram_bytes >> 20} "
           f"MiB)")
-    print(f"{'workload':10}{'server':9}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}"
-          f"{'cached':>9}")
+    if any(name != "resume" for name in rows):
+        print(f"{'workload':10}{'server':9}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}"
+              f"{'cached':>9}")
     for name, kinds in rows.items():
+        if name == "resume":
+            print_resume(kinds)
+            continue
         for kind, row in kinds.items():
             print(f"{name:10}{kind:9}{row['requests']:>9}{row['ttft_p50'] * 1e3:>13.1f}{row['ttft_p99'] * 1e3:>13.1f}"
                   f"{row['tok_per_s']:>9.1f}{row['cached']:>9}")

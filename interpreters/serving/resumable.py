@@ -257,9 +257,12 @@ class Generation:
             held, self.held = self.held, None
             note = Note(self.resumable.fingerprint, tuple(s.logprob for s in self.sent),
                         tuple(s.top_tokens for s in self.sent) if self.record_top_tokens else None)
-            if self.service.checkpoint(self.lease, held.caches, held.tokens, len(held.tokens) - len(self.lease.prompt),
-                                       pending_token=token, note=note.text()):
-                self.checkpoints += 1
+            generated = len(held.tokens) - len(self.lease.prompt)
+            queued = self.service.checkpoint(self.lease, held.caches, held.tokens, generated, pending_token=token,
+                                             note=note.text())
+            self.checkpoints += queued
+            logging.info("kvstate: checkpoint of generation %r after %d tokens %s", self.resumable.key, generated + 1,
+                         "queued" if queued else "not written (no room in the write queue or on disk)")
         if fed % self.every or fed + 1 >= self.max_tokens or self.state is None:
             return
         row = self.state()
