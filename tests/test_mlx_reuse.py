@@ -206,3 +206,38 @@ def test_disk_hit_in_a_fresh_process(name, tmp_path):
     child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), name], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr
     assert float(child.stdout.strip()) <= TOLERANCE
+
+
+def test_a_generation_that_completes_while_its_checkpoint_is_being_written_leaves_none_and_never_resumes(tmp_path):
+    """The checkpoint's write is held on the writer thread (a gate in the store's write seam) while the
+    generation completes; once the write goes through, the deletion that follows it removes the file,
+    and a restarted service starts the same request afresh."""
+    import threading
+
+    from kvstate.interpreters.mlx import file_io
+
+    writing, go = threading.Event(), threading.Event()
+
+    def gated_write(path, chunks):
+        if path.name.startswith(".checkpoint-"):
+            writing.set()
+            go.wait()
+        file_io.write_durably(path, chunks)
+
+    model, config = build("llama", seed=5)
+    service = service_for(model, config, tmp_path, checkpoint_every_tokens=4, write_file=gated_write)
+    prompt = tuple(range(1, 17))
+    request = Request(prompt, 16, continuation=Continuation("chat-8", seed=11))
+    state = service.acquire(request, "n")
+    last_logits(model, prompt + (5, 6, 7, 8), state.caches)
+    assert service.checkpoint(request, state.caches, prompt + (5, 6, 7, 8), 4, pending_token=9)
+    assert writing.wait(timeout=60)                  # the write is in flight on the writer thread
+    service.release(request, completed=True)         # the generation completes meanwhile
+    go.set()
+    assert service.flush().durable
+    service.close()
+    assert not list(tmp_path.rglob("checkpoint-*.safetensors"))
+    restarted = service_for(model, config, tmp_path, checkpoint_every_tokens=4)
+    again = restarted.acquire(Request(prompt, 16, continuation=Continuation("chat-8", seed=11)), "n")
+    assert again.source is not Source.CHECKPOINT and again.resumed is None
+    restarted.close()

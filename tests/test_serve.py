@@ -503,3 +503,32 @@ def test_bad_disk_wear_flags_are_refused(model_dir, flag, value):
     result = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model", str(model_dir),
                              flag, value], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and flag in result.stderr and "Traceback" not in result.stderr
+
+
+def _refusal(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", *arguments],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_model_path_that_does_not_exist_and_a_disk_dir_that_cannot_be_made_are_one_line_each(tmp_path, model_dir):
+    missing = _refusal("--model", str(tmp_path / "no-model"))
+    assert missing.returncode == 2 and missing.stderr.strip() == \
+        f"kvstate serve: --model {tmp_path / 'no-model'}: no such model directory"
+    (tmp_path / "a-file").write_text("")
+    blocked = _refusal("--model", str(model_dir), "--disk-dir", str(tmp_path / "a-file" / "disk"),
+                       "--disk-bytes", "1GiB")
+    assert blocked.returncode == 2 and blocked.stderr.count("\n") == 1 and "--disk-dir" in blocked.stderr
+    assert "cannot be made" in blocked.stderr
+
+
+def test_a_second_server_on_the_same_disk_dir_is_refused_in_one_line_naming_it(model_dir, tmp_path):
+    disk = tmp_path / "shared-disk"
+    first = Server(model_dir, "--disk-dir", str(disk), "--disk-bytes", "64MiB")
+    try:
+        second = _refusal("--model", str(model_dir), "--disk-dir", str(disk), "--disk-bytes", "64MiB",
+                          "--port", str(free_port()))
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        line = [text for text in second.stderr.splitlines() if text.startswith("kvstate serve:")]
+        assert len(line) == 1 and f"--disk-dir {disk}: another live kvstate serve" in line[0]
+    finally:
+        first.stop()

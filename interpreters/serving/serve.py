@@ -36,6 +36,7 @@ from kvstate.interpreters.serving.batch_admission import (
     CACHE_STEP, BatchAdmission, admitting_generator, measured_batch_generator,
 )
 from kvstate.interpreters.mlx import blocks as mlx_blocks
+from kvstate.interpreters.mlx.disk_store import DirectoryInUse
 from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 from kvstate.interpreters.serving.model_names import NAME_MAPS, alias_served_model
 from kvstate.interpreters.serving.pins import (
@@ -548,12 +549,44 @@ def main(argv: Sequence[str]) -> int:
         if refusal is not None:
             print(f"kvstate serve: --record-trace {options.record_trace}: {refusal}", file=sys.stderr)
             return 2
+    refusal = start_refusal(options, server_argv)
+    if refusal is not None:
+        print(f"kvstate serve: {refusal}", file=sys.stderr)
+        return 2
     try:
         status = serve(options, server_argv)
     except (ServerInternalsMoved, BadWarmPrompt) as error:
         print(f"kvstate serve: {error}", file=sys.stderr)
         return 2
+    except DirectoryInUse as error:
+        print(f"kvstate serve: --disk-dir {options.disk_dir}: another live kvstate serve (or service) writes "
+              f"this model's state there; stop it, or give this server its own --disk-dir ({error})",
+              file=sys.stderr)
+        return 2
     leave(status)
+
+
+def start_refusal(options: argparse.Namespace, server_argv: Sequence[str]) -> str | None:
+    """Why the server cannot start, found before the model loads (None: nothing found): a ``--model``
+    given as a local path that does not exist, or a ``--disk-dir`` that cannot be made or written."""
+    model = None
+    for i, argument in enumerate(server_argv):
+        if argument == "--model" and i + 1 < len(server_argv):
+            model = server_argv[i + 1]
+        elif argument.startswith("--model="):
+            model = argument.split("=", 1)[1]
+    if model is not None and (os.path.isabs(model) or model.startswith((".", "~"))):
+        if not Path(model).expanduser().is_dir():
+            return f"--model {model}: no such model directory"
+    if options.disk_dir is not None:
+        directory = Path(options.disk_dir).expanduser()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            return f"--disk-dir {options.disk_dir}: cannot be made ({error.strerror})"
+        if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+            return f"--disk-dir {options.disk_dir}: not a directory this server can write to"
+    return None
 
 
 def leave(status: int) -> NoReturn:
