@@ -88,6 +88,8 @@ def test_a_file_of_another_model_is_refused_and_nothing_is_kept(llama, tmp_path)
     target = service_for(other, other_config)
     with pytest.raises(PromptFileRefused, match="another model"):
         import_prompt_cache(target, path)
+    with pytest.raises(PromptFileRefused, match="another model"):  # the caller's word vouches for no identity
+        import_prompt_cache(target, path, same_model=True, tokens=PROMPT)
     assert target.report().entries == 0
 
 
