@@ -468,11 +468,22 @@ def test_a_negative_shared_prefix_wait_is_refused(model_dir):
     assert result.returncode == 2 and "--shared-prefix-wait" in result.stderr and "Traceback" not in result.stderr
 
 
-def _wear(server: Server, disk: Path) -> tuple[float, float]:
-    """A three-turn conversation, then a pause and one more request (the clock reaches the service at
-    each request): the bytes the disk tier wrote, and the files it holds."""
+SERVER_HOOKS = Path(__file__).parent / "server_hooks"
+
+
+def on_the_tests_clock(clock: Path) -> dict[str, str]:
+    """The environment of a server whose service reads its clock from ``clock`` (seconds, written by the
+    test: ``tests/server_hooks/sitecustomize.py``); it starts at 0."""
+    clock.write_text("0")
+    paths = [str(SERVER_HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(paths), "KVSTATE_TEST_CLOCK": str(clock)}
+
+
+def _wear(server: Server, disk: Path, clock: Path) -> tuple[float, float]:
+    """A three-turn conversation, then 10 s on the service's clock and one more request (the clock
+    reaches the service at each request): the bytes the disk tier wrote, and the files it holds."""
     converse(server, [SYSTEM, {"role": "user", "content": "Tell me about the sea."}], turns=3)
-    time.sleep(2.5)
+    clock.write_text("10")
     chat(server, [{"role": "user", "content": "Something else entirely."}], max_tokens=2)
     return server.metrics()["kvstate_bytes_written_total"], len(list(disk.rglob("*.safetensors")))
 
@@ -482,16 +493,18 @@ def test_an_idle_write_rule_writes_only_what_is_not_superseded_soon(model_dir, t
     turn); with --disk-write-idle only what sat idle that long is, and the end of the last turn is."""
     every = tmp_path / "every"
     idle = tmp_path / "idle"
+    clock = tmp_path / "clock"
     common = ("--disk-bytes", "256MiB", "--ram-bytes", "64MiB")
-    default = Server(model_dir, "--disk-dir", str(every), *common)
+    default = Server(model_dir, "--disk-dir", str(every), *common, environment=on_the_tests_clock(clock))
     try:
-        written_always, files_always = _wear(default, every)
+        written_always, files_always = _wear(default, every, clock)
     finally:
         default.stop()
-    waiting = Server(model_dir, "--disk-dir", str(idle), *common, "--disk-write-idle", "2")
+    waiting = Server(model_dir, "--disk-dir", str(idle), *common, "--disk-write-idle", "2",
+                     environment=on_the_tests_clock(clock))
     try:
-        written_idle, files_idle = _wear(waiting, idle)
-        assert waiting.metrics()["kvstate_spills_total"] >= 1  # the last turn's end, idle 2.5 s, was written
+        written_idle, files_idle = _wear(waiting, idle, clock)
+        assert waiting.metrics()["kvstate_spills_total"] >= 1  # the last turn's end, idle 10 s, was written
     finally:
         waiting.stop()
     assert 0 < written_idle < written_always / 2 and files_idle < files_always

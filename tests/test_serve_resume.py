@@ -2,7 +2,7 @@
 killed with SIGKILL at an exact point, is retried on a restarted server and completes to the text an
 uninterrupted run gives, sent once; keys are per tenant and per request body.
 
-The server kills itself at the point a test names (``tests/crash_points/sitecustomize.py``), so no
+The server kills itself at the point a test names (``tests/server_hooks/sitecustomize.py``), so no
 test races a kill against the server's progress. Every request goes through the real ``openai``
 client, with the key in the ``Idempotency-Key`` header or the ``idempotency_key`` body field.
 """
@@ -21,7 +21,7 @@ from kvstate.interpreters.serving.resumable import Note, ResumableKeys  # noqa: 
 from kvstate.models.model_dir import save_model_dir  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
 
-CRASH_POINTS = Path(__file__).parent / "crash_points"
+SERVER_HOOKS = Path(__file__).parent / "server_hooks"
 EVERY = 4
 MAX_TOKENS = 40
 #: mlx-lm's own penalty on repeated tokens over the whole reply, in the batch (its context is every token).
@@ -39,7 +39,7 @@ def start(model_dir: Path, disk: Path, kill: str | None = None) -> Server:
     at that crash point."""
     environment = None
     if kill is not None:
-        paths = [str(CRASH_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+        paths = [str(SERVER_HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])]
         environment = {"PYTHONPATH": os.pathsep.join(paths), "KVSTATE_TEST_KILL": kill}
     return Server(model_dir, "--disk-dir", str(disk), "--disk-bytes", "64MiB", "--checkpoint-every", str(EVERY),
                   environment=environment)

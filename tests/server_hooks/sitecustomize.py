@@ -1,8 +1,12 @@
-"""Crash points for the resume tests: the server process kills itself (SIGKILL, as ``kill -9``) at an
-exact point of its work, named by ``KVSTATE_TEST_KILL``, so no test races a kill against the server.
+"""Hooks into a server process started by a test, so no test races the server or the wall clock.
 
-Loaded by Python at start where this directory is on ``PYTHONPATH`` (``tests/test_serve_resume.py``
-starts servers so). The points:
+Loaded by Python at start where this directory is on ``PYTHONPATH`` (``tests/test_serve_resume.py`` and
+``tests/test_serve.py`` start servers so):
+
+- ``KVSTATE_TEST_CLOCK=PATH``: the service's clock (the MLX interpreter's, which idle rules read) is
+  the number of seconds written in that file, which the test advances;
+- ``KVSTATE_TEST_KILL=POINT``: the server kills itself (SIGKILL, as ``kill -9``) at an exact point of
+  its work. The points:
 
 - ``prefill``: at the first prompt chunk the batch computes (before any token);
 - ``token:T``: once the T-th token's response is made;
@@ -14,6 +18,22 @@ starts servers so). The points:
 """
 
 import os
+
+CLOCK = os.environ.get("KVSTATE_TEST_CLOCK")
+
+if CLOCK:
+    from kvstate.interpreters.mlx import interpreter
+
+    made = interpreter.MlxInterpreter.__init__
+
+    def read_clock() -> float:
+        with open(CLOCK) as seconds:
+            return float(seconds.read())
+
+    def made_on_the_tests_clock(self, *args, **kwargs):
+        made(self, *args, **{**kwargs, "clock": read_clock})
+
+    interpreter.MlxInterpreter.__init__ = made_on_the_tests_clock
 
 POINT = os.environ.get("KVSTATE_TEST_KILL")
 
