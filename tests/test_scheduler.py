@@ -59,7 +59,7 @@ def test_rows_run_side_by_side_under_a_budget(tmp_path):
 
 
 CHILD = """
-import sys, time
+import sys
 from kvstate import Continuation, KvCacheService, Request
 from kvstate.interpreters.scheduler import Scheduler
 from kvstate.models.reference import build
@@ -69,13 +69,14 @@ service = KvCacheService.for_mlx(model, config=config, ram_bytes=16 << 20, disk_
                                  disk_bytes=64 << 20, checkpoint_every_tokens=4)
 request = Request(tuple(range(3, 40)), 48, continuation=Continuation("story-1", seed=1234, seed_was_explicit=True))
 scheduler = Scheduler(model, service, temperature=0.8)
-if not resume:
+if not resume:  # held halfway (until killed): the parent kills it there, mid-generation
     original = scheduler._step
-    def slow(row):
+    def step_then_hold(row):
         original(row)
-        print(len(row.generated), flush=True)
-        time.sleep(0.02)
-    scheduler._step = slow
+        if len(row.generated) == 24:
+            print("HOLD", flush=True)
+            sys.stdin.readline()
+    scheduler._step = step_then_hold
 result = scheduler.run([(request, "n")])[0]
 service.close()
 print("RESULT", result.resumed, " ".join(map(str, result.tokens)), flush=True)
@@ -97,18 +98,13 @@ def uninterrupted(name: str) -> list[int]:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
 def test_a_generation_killed_with_sigkill_resumes_to_the_same_tokens(name, tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), name, "first"],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), name, "first"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    generated = 0
-    while time.monotonic() < deadline:
-        line = child.stdout.readline()
-        if not line:
-            break
-        generated = int(line.split()[0]) if line.split()[0].isdigit() else generated
-        if generated >= 20 and list(tmp_path.rglob("checkpoint-*.safetensors")):
-            break
-    assert child.poll() is None, f"the first process ended before it could be killed: {child.stderr.read()}"
+    assert child.stdout.readline().strip() == "HOLD", child.stderr.read()   # held 24 tokens in
+    deadline = time.monotonic() + 120  # its checkpoints are written in the background: wait for one
+    while not list(tmp_path.rglob("checkpoint-*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(tmp_path.rglob("checkpoint-*.safetensors")) and child.poll() is None
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert child.returncode == -signal.SIGKILL
