@@ -26,7 +26,7 @@ from kvstate.core.replies import (
 from kvstate.core.report import Report
 from kvstate.core.request import Request, as_tokens
 from kvstate.core.state import (
-    OBJECTS, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
+    OBJECTS, Counters, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
 )
 from kvstate.core.transitions import optional_bytes, step
 from kvstate.effects.effects import CheckpointMeta, DiskKey
@@ -420,6 +420,11 @@ class KvCacheService:
     def ram(self, each: bool = False) -> RamHeld:
         """What RAM holds now: entries and bytes, and with ``each`` every entry (a pass over them all)."""
         return self._run(ev.RamQuery(each))
+
+    def counts(self) -> Counters:
+        """The monotonic counters alone, as the core keeps them: cheap to read often (``report`` walks
+        every entry for its gauges)."""
+        return self._state.counters
 
     def report(self) -> Report:
         """The counters, as one frozen record."""

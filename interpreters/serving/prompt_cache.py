@@ -71,6 +71,9 @@ class KvStatePromptCache:
         #: Told of every request's fetch and of the state kept at the end of its reply, where the server
         #: records its traffic (:mod:`~kvstate.interpreters.serving.trace_recording`); None: not recorded.
         self.recorder: Any = None
+        #: Asked after every fetch and insert whether the disk tier had trouble to tell of
+        #: (:class:`~kvstate.interpreters.serving.disk_notices.DiskNotices`); None: no disk tier.
+        self.disk_notices: Any = None
         config = service.config
         # The clock reaches the service only where a rule reads it (idle writes, idle demotion, checkpoints
         # left by clients that never came back).
@@ -153,6 +156,8 @@ class KvStatePromptCache:
                      state.source.name.lower(), 1e3 * (time.perf_counter() - started))
         if self.recorder is not None:
             self.recorder.fetched(namespace, key, state.reused_tokens)
+        if self.disk_notices is not None:
+            self.disk_notices.check()
         covered = len(state.resumed_tokens) if state.resumed is not None else state.reused_tokens
         if covered == 0 and acquired is None:
             return None, tokens
@@ -199,6 +204,8 @@ class KvStatePromptCache:
             if pin is not None:
                 pin_kept(self.service, namespace, key, pin)
         self.service.boundary()
+        if self.disk_notices is not None:
+            self.disk_notices.check()
         logging.info("kvstate: %s state of %d tokens %s in %.1f ms", cache_type, len(key),
                      "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))
 

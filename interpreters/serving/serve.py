@@ -37,6 +37,7 @@ from kvstate.interpreters.serving.batch_admission import (
 )
 from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.mlx.disk_store import DirectoryInUse
+from kvstate.interpreters.serving.disk_notices import DiskNotices, default_disk_bytes, start_notices
 from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 from kvstate.interpreters.serving.model_names import NAME_MAPS, alias_served_model
 from kvstate.interpreters.serving.pins import (
@@ -327,7 +328,8 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "(spilled first with a disk tier) while the batch needs it (default: none)")
     parser.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: none)")
     parser.add_argument("--disk-bytes", type=size_argument, default=None,
-                        help="byte budget of the disk tier, the bytes its files take (needed with --disk-dir)")
+                        help="byte budget of the disk tier, the bytes its files take (default with --disk-dir: "
+                             "half of what its file system can give at start, said in the log)")
     parser.add_argument("--policy", default="lru", choices=list(POLICIES), help="eviction policy (default lru)")
     parser.add_argument("--shared-prefix-wait", type=float, default=None, metavar="SECONDS",
                         help="a request that shares a prefix with one in prefill waits up to this long for its "
@@ -422,6 +424,12 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every,
         checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
+    if options.disk_dir is not None:
+        block_bytes = service.config.model.bytes_for(options.block_tokens or BLOCK_TOKENS)
+        for notice in start_notices(Path(options.disk_dir), options.disk_bytes, block_bytes):
+            logging.warning("kvstate: %s", notice)
+        cache.disk_notices = DiskNotices(service, Path(options.disk_dir), options.disk_bytes,
+                                         options.disk_write_bytes_per_hour)
     try:
         if options.record_trace is not None:
             cache.recorder = TraceRecorder(options.record_trace)
@@ -499,10 +507,15 @@ def main(argv: Sequence[str]) -> int:
         kvstate_options().print_help()
         print("\nmlx_lm.server's own options:\n")
         server_argv = ["--help"]
-    if (options.disk_dir is None) != (options.disk_bytes is None):
-        print("kvstate serve: --disk-dir and --disk-bytes go together (where saved state lives, and its budget)",
-              file=sys.stderr)
+    if options.disk_dir is None and options.disk_bytes is not None:
+        print("kvstate serve: --disk-bytes needs --disk-dir: where saved state lives", file=sys.stderr)
         return 2
+    for flag, value in (("--ram-bytes", options.ram_bytes), ("--kv-budget-bytes", options.kv_budget_bytes),
+                        ("--disk-bytes", options.disk_bytes)):
+        if value == 0:
+            print(f"kvstate serve: {flag} 0 holds nothing: no state could be kept (or, for the KV budget, no "
+                  f"request run); give a size, or leave the flag out", file=sys.stderr)
+            return 2
     if options.disk_write_idle is not None and not 0 < options.disk_write_idle < float("inf"):
         print(f"kvstate serve: --disk-write-idle is seconds, more than 0; got {options.disk_write_idle}",
               file=sys.stderr)
@@ -553,6 +566,10 @@ def main(argv: Sequence[str]) -> int:
     if refusal is not None:
         print(f"kvstate serve: {refusal}", file=sys.stderr)
         return 2
+    if options.disk_dir is not None and options.disk_bytes is None:
+        options.disk_bytes = default_disk_bytes(Path(options.disk_dir).expanduser())
+        print(f"kvstate serve: --disk-bytes not given: {size_text(options.disk_bytes)}, half of what the file "
+              f"system of --disk-dir can give now", file=sys.stderr)
     try:
         status = serve(options, server_argv)
     except (ServerInternalsMoved, BadWarmPrompt) as error:
