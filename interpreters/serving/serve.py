@@ -53,16 +53,25 @@ from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSa
 from kvstate.interpreters.serving.trace_recording import TraceRecorder, recording_refusal
 
 #: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
-SUPPORTED_MLX_LM = ((0, 32),)
+SUPPORTED_MLX_LM = ((0, 32, 2), (0, 33, 0))
+#: The same range as pip writes it.
+SUPPORTED_MLX_LM_TEXT = ">=0.32.2,<0.33"
 
 
 class ServerInternalsMoved(KvStateError):
     """The installed mlx-lm's server is not one ``kvstate serve`` knows how to embed."""
 
 
-def _release(version: str) -> tuple[int, int]:
-    parts = version.split(".")
-    return int(parts[0]), int(parts[1])
+def _release(version: str) -> tuple[int, int, int]:
+    """``"0.32.2"`` as ``(0, 32, 2)`` (a suffix such as ``.dev0`` or ``rc1`` on the patch is dropped)."""
+    parts = (version.split(".") + ["0", "0"])[:3]
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in parts)  # type: ignore[return-value]
+
+
+def supported_release(version: str) -> bool:
+    """Whether mlx-lm ``version`` is in :data:`SUPPORTED_MLX_LM` (lowest included, highest not)."""
+    lowest, beyond = SUPPORTED_MLX_LM
+    return lowest <= _release(version) < beyond
 
 
 def check_server_internals() -> Any:
@@ -75,10 +84,10 @@ def check_server_internals() -> Any:
 
     generate_module = importlib.import_module("mlx_lm.generate")  # the package's ``generate`` is a function
     version = metadata.version("mlx-lm")
-    supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_MLX_LM)
-    if _release(version) not in SUPPORTED_MLX_LM:
+    supported = SUPPORTED_MLX_LM_TEXT
+    if not supported_release(version):
         raise ServerInternalsMoved(f"kvstate serve embeds mlx-lm {supported}; mlx-lm {version} is installed. "
-                                   f"Install a supported release (pip install 'mlx-lm=={supported[:-2]}.*').")
+                                   f"Install a supported release (pip install 'mlx-lm{supported}').")
     expected: dict[str, Callable[[], bool]] = {
         "ResponseGenerator(model_provider, prompt_cache)": lambda: list(
             inspect.signature(server.ResponseGenerator.__init__).parameters)[1:3] == ["model_provider",
@@ -110,6 +119,19 @@ def check_server_internals() -> Any:
         "BatchKVCache.step": lambda: getattr(cache_module.BatchKVCache, "step", None) == CACHE_STEP,
         "BatchGenerator._counters, a BatchCounters with prompt_tokens and prompt_time": lambda: {
             "prompt_tokens", "prompt_time"} <= {f.name for f in dataclasses.fields(generate_module.BatchCounters)},
+        "BatchGenerator.insert_segments(segments, max_tokens, caches, all_tokens, samplers, logits_processors, "
+        "stop_sequences)": lambda: list(inspect.signature(server.BatchGenerator.insert_segments).parameters)[1:] == [
+            "segments", "max_tokens", "caches", "all_tokens", "samplers", "logits_processors", "stop_sequences"],
+        "ResponseGenerator._tokenize returning (prompt, segments, segment_types, initial_state, vision)": lambda: len(
+            server.ResponseGenerator._tokenize(None, _Encoder(), server.CompletionRequest("text", "x", [], None, None),
+                                               None)) == 5,
+        "Response(text, token, logprob, finish_reason, top_tokens)": lambda: [
+            f.name for f in dataclasses.fields(server.Response)] == ["text", "token", "logprob", "finish_reason",
+                                                                     "top_tokens"],
+        "GenerationContext with prompt and prompt_cache_count": lambda: {"prompt", "prompt_cache_count"} <= {
+            f.name for f in dataclasses.fields(server.GenerationContext)},
+        "_make_sampler(args, tokenizer)": lambda: list(inspect.signature(server._make_sampler).parameters) == [
+            "args", "tokenizer"],
     }
     for piece, holds in expected.items():
         try:
@@ -118,8 +140,15 @@ def check_server_internals() -> Any:
             ok = False
         if not ok:
             raise ServerInternalsMoved(f"mlx-lm {version}'s server no longer has {piece}, which kvstate serve "
-                                       f"embeds; install mlx-lm {supported}")
+                                       f"embeds; install mlx-lm{supported}")
     return server
+
+
+class _Encoder:
+    """A tokenizer that encodes any text as one token: the start-up check's stand-in for the model's."""
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
 
 
 # ---------------------------------------------------------------- metrics
@@ -459,8 +488,7 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
                              "during generation are not checkpointed); drop one of them")
         if not all(isinstance(getattr(model_provider, name, None), dict) for name in NAME_MAPS):
             raise ServerInternalsMoved(f"mlx-lm's ModelProvider no longer has {', '.join(NAME_MAPS)}, which "
-                                       f"kvstate serve extends; install mlx-lm "
-                                       f"{', '.join(f'{a}.{b}.x' for a, b in SUPPORTED_MLX_LM)}")
+                                       f"kvstate serve extends; install mlx-lm{SUPPORTED_MLX_LM_TEXT}")
         alias_served_model(model_provider)
         if keep_freed_memory():
             logging.info("kvstate: freed host memory is kept for reuse (restores fault in no fresh pages)")
