@@ -15,9 +15,8 @@ import pytest
 
 from kvstate.interpreters.lab.replay import replay, replay_service
 from kvstate.interpreters.lab.traces import BLOCK_TOKENS, read
-from kvstate.interpreters.serving.trace_recording import (
-    KEY_BYTES, TraceHasher, TraceKeyUnreadable, TraceRecorder, deployment_key,
-)
+from kvstate.interpreters.serving.deployment_keys import KEY_BYTES
+from kvstate.interpreters.serving.trace_recording import TraceHasher, TraceKeyUnreadable, TraceRecorder, deployment_key
 from kvstate.models.model_dir import save_model_dir
 from tests.test_serve import Server, chat
 

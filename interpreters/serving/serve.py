@@ -50,6 +50,7 @@ from kvstate.interpreters.serving.resumable import (
 )
 from kvstate.interpreters.service import DEFAULT_NAMESPACE, KvCacheService
 from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE, BadCacheSalt, salt_namespace
+from kvstate.interpreters.serving.tenants import salt_key as tenant_salt_key
 from kvstate.interpreters.serving.trace_recording import TraceRecorder, recording_refusal
 
 #: The mlx-lm releases whose server internals ``kvstate serve`` is built and tested against.
@@ -261,7 +262,8 @@ def scan_line(result: ScanResult) -> str:
     return line + f"; {result.rejected} files rejected (moved aside)"
 
 
-def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchAdmission | None = None) -> type:
+def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchAdmission | None = None,
+                         salt_key: bytes | None = None) -> type:
     """mlx-lm's request handler with ``GET /metrics`` added, a request's ``cache_salt`` made its
     namespace, the server's default max_tokens lowered to what fits, a request with a client key made
     resumable (:mod:`~kvstate.interpreters.serving.resumable`), and requests that can never run (or
@@ -270,6 +272,7 @@ def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchA
     from prometheus_client import CONTENT_TYPE_LATEST
 
     resumption = admission.resumption if admission is not None else None
+    salt_key = salt_key if salt_key is not None else tenant_salt_key(None)
 
     class KvStateHandler(server.APIHandler):
         def handle_completion(self, request, stop_words):
@@ -277,7 +280,7 @@ def handler_with_metrics(server: Any, service: KvCacheService, admission: BatchA
             salt = body.get("cache_salt")
             if salt is not None:
                 try:
-                    setattr(request, NAMESPACE_ATTRIBUTE, salt_namespace(salt))
+                    setattr(request, NAMESPACE_ATTRIBUTE, salt_namespace(salt, salt_key))
                 except BadCacheSalt as error:
                     return self._refuse(str(error), "cache_salt")
             try:
@@ -505,7 +508,7 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
-        handler = handler_with_metrics(server, cache.service, admission)
+        handler = handler_with_metrics(server, cache.service, admission, tenant_salt_key(options.disk_dir))
         server._run_http_server(host, port, generator, handler_class=handler)
 
     def stop(signum, frame):

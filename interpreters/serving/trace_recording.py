@@ -36,34 +36,24 @@ from pathlib import Path
 from typing import Callable
 
 from kvstate.interpreters.lab.traces import BLOCK_TOKENS
+from kvstate.interpreters.serving.deployment_keys import DeploymentKeyUnreadable
+from kvstate.interpreters.serving.deployment_keys import deployment_key as _deployment_key
 
-#: The bytes of a deployment's key.
-KEY_BYTES = 32
 #: Requests fetched and not yet answered, at most: a client that never gets its answer (a disconnect,
 #: an error) must not grow the recorder without end; the oldest is written with no output.
 MAX_PENDING = 4096
 
 
-class TraceKeyUnreadable(OSError):
+class TraceKeyUnreadable(DeploymentKeyUnreadable):
     """The deployment's key file beside the trace cannot be read or made, or is not a key."""
 
 
 def deployment_key(path: Path) -> bytes:
-    """The key in ``path``, made (owner-only, random) where there is none."""
+    """The trace key in ``path`` (``PATH.key`` beside a trace), made where there is none."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        key = path.read_bytes()
-        if len(key) != KEY_BYTES:
-            raise TraceKeyUnreadable(f"{path} holds {len(key)} bytes, not a trace key of {KEY_BYTES}: restore "
-                                     f"the deployment's key, or record to a new trace") from None
-        return key
-    except OSError as error:
-        raise TraceKeyUnreadable(f"cannot make the trace key {path}: {error}") from None
-    key = os.urandom(KEY_BYTES)
-    with os.fdopen(fd, "wb") as out:
-        out.write(key)
-    return key
+        return _deployment_key(path, "trace key")
+    except DeploymentKeyUnreadable as error:
+        raise TraceKeyUnreadable(str(error)) from None
 
 
 class TraceHasher:
