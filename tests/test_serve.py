@@ -552,3 +552,26 @@ def test_a_second_server_on_the_same_disk_dir_is_refused_in_one_line_naming_it(m
         assert len(line) == 1 and f"--disk-dir {disk}: another live kvstate serve" in line[0]
     finally:
         first.stop()
+
+
+def test_a_reuse_of_the_chat_templates_opening_alone_is_counted_apart_from_hits(model_dir):
+    """Two conversations with nothing in common but the template's opening: the second reuses those
+    tokens (a hit to the service) but the hit ratio on /metrics does not count it."""
+    from mlx_lm import load
+
+    _, tokenizer = load(str(model_dir))
+    opening = serving.chat_template_prefix(tokenizer)
+    assert opening > 0
+    fresh = Server(model_dir, "--ram-bytes", "64MiB")
+    try:
+        chat(fresh, [{"role": "user", "content": "Tell me about the sea."}])
+        second = chat(fresh, [{"role": "user", "content": "Zebras cross roads."}])
+        assert 0 < second.usage.prompt_tokens_details.cached_tokens <= opening
+        metrics = fresh.metrics()
+        assert metrics["kvstate_hits_total"] == 1 and metrics["kvstate_template_only_hits_total"] == 1
+        assert metrics["kvstate_hit_ratio"] == 0
+        converse(fresh, [{"role": "user", "content": "Tell me about the sea."}], turns=1)  # a real reuse
+        metrics = fresh.metrics()
+        assert metrics["kvstate_template_only_hits_total"] == 1 and metrics["kvstate_hit_ratio"] > 0
+    finally:
+        fresh.stop()

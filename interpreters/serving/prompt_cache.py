@@ -71,6 +71,10 @@ class KvStatePromptCache:
         #: Told of every request's fetch and of the state kept at the end of its reply, where the server
         #: records its traffic (:mod:`~kvstate.interpreters.serving.trace_recording`); None: not recorded.
         self.recorder: Any = None
+        #: The first tokens every conversation the served chat template renders begins with, and the hits
+        #: that reused no more than those (counted apart on ``/metrics``: the template's reuse, not the client's).
+        self.template_tokens = 0
+        self.template_only_hits = 0
         #: Asked after every fetch and insert whether the disk tier had trouble to tell of
         #: (:class:`~kvstate.interpreters.serving.disk_notices.DiskNotices`); None: no disk tier.
         self.disk_notices: Any = None
@@ -159,6 +163,8 @@ class KvStatePromptCache:
         if self.disk_notices is not None:
             self.disk_notices.check()
         covered = len(state.resumed_tokens) if state.resumed is not None else state.reused_tokens
+        if 0 < covered <= self.template_tokens:
+            self.template_only_hits += 1
         if covered == 0 and acquired is None:
             return None, tokens
         return state.caches, tokens[covered:]

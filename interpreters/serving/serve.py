@@ -169,6 +169,7 @@ class ReportCollector:
     def __init__(self, service: KvCacheService, admission: BatchAdmission | None = None):
         self.service = service
         self.admission = admission
+        self.cache = admission.cache if admission is not None else None
 
     def collect(self):
         import attrs
@@ -186,8 +187,13 @@ class ReportCollector:
             else:
                 yield CounterMetricFamily(name, f"kvstate report: {field.name}", value=value)
         lookups = report.hits + report.misses
-        yield GaugeMetricFamily("kvstate_hit_ratio", "acquires that reused a prefix, of all acquires",
-                                value=report.hits / lookups if lookups else 0.0)
+        template_only = self.cache.template_only_hits if self.cache is not None else 0
+        yield CounterMetricFamily("kvstate_template_only_hits", "hits that reused no more than the chat template's "
+                                  "own first tokens (counted in kvstate_hits_total, not in kvstate_hit_ratio)",
+                                  value=template_only)
+        yield GaugeMetricFamily("kvstate_hit_ratio", "acquires that reused more of a prompt than the chat template's "
+                                "own first tokens, of all acquires",
+                                value=(report.hits - template_only) / lookups if lookups else 0.0)
         objects = report.object_hits + report.object_misses
         yield GaugeMetricFamily("kvstate_object_hit_ratio", "object gets that found the object",
                                 value=report.object_hits / objects if objects else 0.0)
@@ -213,6 +219,23 @@ def metrics_text(service: KvCacheService, admission: BatchAdmission | None = Non
     registry = CollectorRegistry()
     registry.register(ReportCollector(service, admission))
     return generate_latest(registry)
+
+
+def chat_template_prefix(tokenizer: Any) -> int:
+    """How many first tokens the chat template renders alike for any conversation that opens with the
+    same role (the most over a user's and a system's opening; 0 without a chat template): a reuse of no
+    more is the template's, not the client's."""
+    if tokenizer is None or not getattr(tokenizer, "has_chat_template", False):
+        return 0
+
+    def common(role: str) -> int:
+        a, b = (tokenizer.apply_chat_template([{"role": role, "content": text}], add_generation_prompt=True,
+                                              tokenize=True) for text in ("a", "zebra crossing"))
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    try:
+        return max(common("user"), common("system"))
+    except Exception:  # noqa: BLE001 - a template that cannot render these: nothing is set apart
+        return 0
 
 
 def prompt_tokens(tokenizer: Any, request: Any) -> int:
@@ -456,6 +479,7 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every,
         checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
+    cache.template_tokens = chat_template_prefix(tokenizer)
     if options.disk_dir is not None:
         block_bytes = service.config.model.bytes_for(options.block_tokens or BLOCK_TOKENS)
         for notice in start_notices(Path(options.disk_dir), options.disk_bytes, block_bytes):
