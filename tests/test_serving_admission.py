@@ -94,3 +94,66 @@ def test_saved_blocks_are_read_ahead_only_when_asked_and_the_batch_is_busy(read_
     assert admission.next_admitted(take, tokenize, 0) is not None
     assert service.report().prefetches == (1 if read_ahead else 0)
     assert service.peek_prefix_len(busy, "default") == (len(saved) if read_ahead else 0)
+
+
+def _admission(share_wait_s=60.0, budget=BUDGET * 8):
+    service = KvCacheService.simulated(SPEC, ram_bytes=BUDGET * 8, kv_budget_bytes=budget, batch_padding_step=STEP)
+    return service, BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=share_wait_s, min_shared_tokens=8)
+
+
+def _items(prompts_and_tokens, namespaces=None):
+    """Server items for ``(prompt, max_tokens)`` pairs (each request in its namespace, where given), and
+    ``take`` and ``tokenize`` over them."""
+    from kvstate.interpreters.serving.tenants import NAMESPACE_ATTRIBUTE
+    items, prompts = [], {}
+    for n, (prompt, max_tokens) in enumerate(prompts_and_tokens):
+        request = SimpleNamespace()
+        if namespaces and namespaces[n] is not None:
+            setattr(request, NAMESPACE_ATTRIBUTE, namespaces[n])
+        item = (SimpleNamespace(put=lambda _: None), request, SimpleNamespace(max_tokens=max_tokens))
+        items.append(item)
+        prompts[id(item)] = prompt
+    arrivals: list = []
+
+    def take(timeout):
+        return arrivals.pop(0) if arrivals else None
+
+    def tokenize(server_item):
+        return (prompts[id(server_item)], [prompts[id(server_item)]], ["user"], "normal", None)
+    return items, arrivals, take, tokenize
+
+
+def test_a_tenant_never_waits_for_another_tenants_prefill_of_the_same_prefix():
+    """The row in prefill is tenant X's; A sends the same system prompt as tenant Y: nothing X computes
+    can serve Y, so A is admitted at once, where the same request of X's own would wait."""
+    system, user = list(range(1, 101)), list(range(500, 520))
+    for a_namespace, waits in (("tenant-y", False), ("tenant-x", True)):
+        service, admission = _admission()
+        (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)],
+                                                    namespaces=["tenant-x", a_namespace])
+        arrivals.append(row)
+        assert admission.next_admitted(take, tokenize, 0) is row
+        admission.placed([7], segments=[[system, user]], cached=[[]])   # X's row in prefill publishes at 100
+        arrivals.append(a)
+        assert (admission.next_admitted(take, tokenize, 0) is None) is waits
+        assert admission.shared_waits == (1 if waits else 0)
+
+
+def test_under_a_full_budget_a_later_request_never_overtakes_an_earlier_one_waiting_for_room():
+    """A row holds most of the budget; A needs more than is left and waits; B, behind A, would fit in
+    what is left, but room is first come, first served: B waits behind A, and A goes first once the row
+    ends."""
+    from kvstate import Request
+    service, admission = _admission(share_wait_s=0.0, budget=BUDGET)
+    a_prompt, b_prompt = list(range(1000, 1300)), list(range(2000, 2010))  # A fits the budget alone, not beside the row
+    (row, a, b), arrivals, take, tokenize = _items([(list(range(1, 51)), 10), (a_prompt, 100), (b_prompt, 2)])
+    arrivals.append(row)
+    assert admission.next_admitted(take, tokenize, 0) is row
+    admission.placed([1], segments=[[list(range(1, 51))]], cached=[[]])
+    assert service.fits(Request(tuple(b_prompt), 2)) and not service.fits(Request(tuple(a_prompt), 100))
+    arrivals.extend([a, b])
+    assert admission.next_admitted(take, tokenize, None) is None       # A waits for room ...
+    assert admission.next_admitted(take, tokenize, None) is None       # ... and B, though it would fit, behind it
+    assert [w.item for w in admission._waiting] == [a, b] and admission.waited >= 1
+    admission.ended([1])                                               # the row ends: room for A first
+    assert admission.next_admitted(take, tokenize, None) is a
