@@ -133,3 +133,22 @@ def test_the_servers_default_max_tokens_is_lowered_to_what_fits_never_a_refusal(
         assert status == 400 and "leaves no room for one generated token" in json.loads(text)["error"]["message"]
     finally:
         server.stop()
+
+
+def test_a_request_over_the_budget_only_with_the_caches_allocation_step_gets_a_400_saying_so(short_model, tmp_path):
+    """mlx-lm's batch caches grow 256 positions at a time, so a row may hold up to 255 more than it
+    uses: a request whose prompt and max_tokens fit the KV budget by themselves, but not with that step,
+    can never run, and is refused at once with a 400 that says why; one token less runs."""
+    per_token = 512  # this llama's KV bytes a position (see the test above)
+    budget = per_token * 400
+    server = Server(short_model, "--kv-budget-bytes", str(budget), "--ram-bytes", "16MiB", log=tmp_path / "server.log")
+    try:
+        messages = [{"role": "user", "content": "Tell me about the sea."}]
+        prompt = chat(server, messages, max_tokens=1).usage.prompt_tokens
+        fits = 400 - 255 - prompt          # prompt + max_tokens + 255 = 400 positions: exactly the budget
+        assert chat(server, messages, max_tokens=fits).usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError, match=r"max_tokens \d+ \(the request's\).*KV budget"):
+            chat(server, messages, max_tokens=fits + 1)   # prompt + max_tokens alone is far under 400
+        assert server.metrics()["kvstate_batch_waits_total"] == 0  # refused, never left waiting
+    finally:
+        server.stop()
