@@ -229,3 +229,21 @@ def test_the_report_counts_the_rejected_files_held_aside_and_a_restart_finds_the
         report = service.report()
         assert report.rejected_files == 1
         assert (report.rejected_held_files, report.rejected_held_bytes) == (1, len(b"not a safetensors file"))
+
+
+def test_a_reclaim_of_the_root_deletes_the_least_recently_used_files_first_across_idle_directories(tmp_path):
+    """Files of two idle directories, each used at a known time: a reclaim to fit the root deletes
+    them oldest first, whatever directory holds them, and no more than it must."""
+    from kvstate.interpreters.mlx.disk_budget import RootBudget
+
+    budget = RootBudget(tmp_path, max_bytes=3 * 1000)
+    used_at = {("a", "x.safetensors"): 100, ("b", "y.safetensors"): 200, ("a", "z.safetensors"): 300,
+               ("b", "w.safetensors"): 400, ("a", "v.safetensors"): 500}
+    for (directory, name), when in used_at.items():
+        path = tmp_path / directory / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"\0" * 1000)
+        os.utime(path, (when, when))
+    assert budget.reclaim() == 2 * 1000
+    left = sorted((p.parent.name, p.name) for p in tmp_path.rglob("*.safetensors"))
+    assert left == [("a", "v.safetensors"), ("a", "z.safetensors"), ("b", "w.safetensors")]  # x and y, the oldest, went
