@@ -57,3 +57,18 @@ def test_a_cache_that_cannot_be_written_costs_only_a_hash(model_dir, tmp_path):
     blocked.write_text("not a directory")
     assert weights_fingerprint(model_dir, blocked / "weights.json") == weights_fingerprint(model_dir,
                                                                                         tmp_path / "w.json")
+
+
+def test_the_first_hash_of_the_weights_is_said_with_progress_and_a_known_one_not(model_dir, tmp_path, caplog):
+    import logging
+
+    cache = tmp_path / "weights.json"
+    with caplog.at_level(logging.INFO):
+        weights_fingerprint(model_dir, cache)
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        weights_fingerprint(model_dir, cache)
+    files = len(list(model_dir.glob("*.safetensors")))
+    assert any(m.startswith(f"kvstate: hashing {files} weight files") for m in first)
+    assert sum(m.startswith("kvstate: hashed ") and f"of {files}," in m for m in first) == files
+    assert not [r for r in caplog.records if "hash" in r.getMessage()]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 from kvstate.interpreters.mlx import content_hash
@@ -76,14 +78,21 @@ def weights_fingerprint(model_dir: str | os.PathLike, cache_path: Path | None = 
     digest = hashlib.blake2b(digest_size=16)
     config = directory / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"{}")
-    changed = False
-    for path in files:
-        key = _file_key(path)
-        content = known.get(key)
-        if content is None:
-            content = known[key] = _content_hash(path)
-            changed = True
-        digest.update(f"{path.name}:{content}".encode())
+    keys = [_file_key(path) for path in files]
+    unknown = [(path, key) for path, key in zip(files, keys) if key not in known]
+    if unknown:  # the first start on these weights reads them all: say so, with progress
+        total = sum(path.stat().st_size for path, _ in unknown)
+        logging.info("kvstate: hashing %d weight files (%.2f GB) once, for the identity of saved state; later "
+                     "starts read it from %s", len(unknown), total / 1e9, cache_path)
+        started, done = time.perf_counter(), 0
+        for n, (path, key) in enumerate(unknown, 1):
+            known[key] = _content_hash(path)
+            done += path.stat().st_size
+            logging.info("kvstate: hashed %s (%d of %d, %.2f of %.2f GB, %.1f s)", path.name, n, len(unknown),
+                         done / 1e9, total / 1e9, time.perf_counter() - started)
+    for path, key in zip(files, keys):
+        digest.update(f"{path.name}:{known[key]}".encode())
+    changed = bool(unknown)
     if changed:
         _store(cache_path, known)
     return digest.hexdigest()

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import attrs
 
+from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
 from kvstate.core.request import Request
 from kvstate.interpreters.mlx import caches as mlx_caches
@@ -146,6 +147,7 @@ class KvStatePromptCache:
             return None, tokens  # whose request this is is not known: reuse nothing
         self._tick()
         started = time.perf_counter()
+        read_before = self.service.counts().bytes_read
         if acquired is not None:
             state = acquired
         elif admitted is None:  # a request admission holds elsewhere (served on its own): a lookup, no lease
@@ -156,8 +158,10 @@ class KvStatePromptCache:
             except KvStateError:
                 return None, tokens  # the lease cannot take state now (acquired already): compute it all
         self.service.boundary()
-        logging.info("kvstate: fetch of %d tokens reused %d (%s) in %.1f ms", len(tokens), state.reused_tokens,
-                     state.source.name.lower(), 1e3 * (time.perf_counter() - started))
+        read = self.service.counts().bytes_read - read_before
+        logging.info("kvstate: fetch of %d tokens reused %d (%s%s) in %.1f ms", len(tokens), state.reused_tokens,
+                     state.source.name.lower(), f", {size_text(read)} read from disk" if read else "",
+                     1e3 * (time.perf_counter() - started))
         if self.recorder is not None:
             self.recorder.fetched(namespace, key, state.reused_tokens)
         if self.disk_notices is not None:
