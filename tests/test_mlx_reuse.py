@@ -241,3 +241,20 @@ def test_a_generation_that_completes_while_its_checkpoint_is_being_written_leave
     again = restarted.acquire(Request(prompt, 16, continuation=Continuation("chat-8", seed=11)), "n")
     assert again.source is not Source.CHECKPOINT and again.resumed is None
     restarted.close()
+
+
+def test_a_detached_copy_continues_as_the_caches_it_was_taken_from(reference):
+    """``caches.detached`` (a checkpoint's snapshot of a running row) copies every array out of the
+    row's buffers: the copy continues to the same logits as a recompute, and the row going on after it
+    changes nothing in it."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstate.interpreters.mlx import caches as mlx_caches
+
+    name, model, config = reference
+    prompt = tuple(range(1, 25))
+    running = make_prompt_cache(model)
+    last_logits(model, prompt, running)
+    copy = mlx_caches.detached(running, len(prompt))
+    last_logits(model, (30, 31, 32), running)           # the row goes on
+    assert_same(last_logits(model, (7,), copy), recomputed(model, prompt + (7,)))

@@ -478,10 +478,18 @@ def test_a_negative_shared_prefix_wait_is_refused(model_dir):
 SERVER_HOOKS = Path(__file__).parent / "server_hooks"
 
 
+def set_clock(clock: Path, seconds: float) -> None:
+    """Move the test's clock to ``seconds``, in one step the server never sees half done (a new file
+    renamed over the old: a read finds the old time or the new, never an empty file)."""
+    ticking = clock.with_name(clock.name + ".next")
+    ticking.write_text(str(seconds))
+    os.replace(ticking, clock)
+
+
 def on_the_tests_clock(clock: Path) -> dict[str, str]:
     """The environment of a server whose service reads its clock from ``clock`` (seconds, written by the
-    test: ``tests/server_hooks/sitecustomize.py``); it starts at 0."""
-    clock.write_text("0")
+    test with :func:`set_clock`: ``tests/server_hooks/sitecustomize.py``); it starts at 0."""
+    set_clock(clock, 0)
     paths = [str(SERVER_HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {"PYTHONPATH": os.pathsep.join(paths), "KVSTATE_TEST_CLOCK": str(clock)}
 
@@ -490,7 +498,7 @@ def _wear(server: Server, disk: Path, clock: Path) -> tuple[float, float]:
     """A three-turn conversation, then 10 s on the service's clock and one more request (the clock
     reaches the service at each request): the bytes the disk tier wrote, and the files it holds."""
     converse(server, [SYSTEM, {"role": "user", "content": "Tell me about the sea."}], turns=3)
-    clock.write_text("10")
+    set_clock(clock, 10)
     chat(server, [{"role": "user", "content": "Something else entirely."}], max_tokens=2)
     return server.metrics()["kvstate_bytes_written_total"], len(list(disk.rglob("*.safetensors")))
 

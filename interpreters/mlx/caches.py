@@ -353,6 +353,19 @@ def clone(caches: list, n: int) -> list:
     return [codec_of(c).clone(c, n) for c in caches]
 
 
+def detached(caches: list, n: int) -> list:
+    """Like :func:`clone`, but every array copied out of the buffers it was cut from (a clone's arrays
+    are views that keep a running batch's whole buffer alive, and make its next update copy it);
+    evaluated."""
+    out = []
+    for cache in clone(caches, n):
+        codec = codec_of(cache)
+        arrays, meta = codec.save(cache)
+        out.append(codec.load({name: mx.contiguous(a) for name, a in arrays.items()}, meta))
+    mx.eval(arrays_of(out))
+    return out
+
+
 def arrays_of(caches: list) -> list[mx.array]:
     """Every array the caches hold (to evaluate them before a write)."""
     out: list[mx.array] = []

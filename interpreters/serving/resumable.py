@@ -272,8 +272,7 @@ class Generation:
         covered = len(self.lease.prompt) + fed
         if mlx_caches.covered(caches) != covered or (tokens is not None and len(tokens) != covered):
             return  # not the state this point needs (a cache kind that runs ahead): no checkpoint here
-        snapshot = mlx_caches.clone(caches, covered)
-        mx.eval(mlx_caches.arrays_of(snapshot))  # copied now: the row's own buffers are not held
+        snapshot = mlx_caches.detached(caches, covered)  # copied out now: the row's buffers are not held
         self.held = Held(snapshot, self.lease.prompt + tuple(s.token for s in self.sent))
 
 
