@@ -98,15 +98,6 @@ def ask(server: Server, messages: list[dict], tenant: str, key: str | None = Non
     return reply.choices[0].message.content, cached
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
@@ -119,6 +110,7 @@ def main() -> None:
     import openai
     from mlx_lm import load
 
+    from kvstate.core.tokens import common_prefix
     from kvstate.models.model_dir import save_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="kvstate-soak-"))
@@ -182,8 +174,8 @@ def main() -> None:
                     print(f"WRONG: conversation {c} turn {turn} ({tenant}): {text!r} != {references[c][turn]!r}",
                           flush=True)
                 # the most its own tenant's other requests (before it, or beside it) can have left kept
-                own = max((common_prefix(prompt, before) for n, before in enumerate(sent[tenant]) if n != mine),
-                          default=0)
+                own = max((common_prefix(tuple(prompt), tuple(before)) for n, before in enumerate(sent[tenant])
+                            if n != mine), default=0)
                 if cut:  # its own attempt before the kill may have kept its prompt (and a checkpoint resumes it)
                     own = len(prompt)
                 if cached > own:

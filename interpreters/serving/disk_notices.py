@@ -88,7 +88,7 @@ class DiskNotices:
             value = getattr(counts, name)
             if value > self._seen[name] and name not in self._said:
                 self._said.add(name)
-                line = getattr(self, f"_{name}")(self.service.report())
+                line = f"{getattr(self, f'_{name}')(self.service.report())}; later ones are counted in kvstate_{name}_total"
                 self.said.append(line)
                 logging.warning("kvstate: %s", line)
             self._seen[name] = value
@@ -101,20 +101,17 @@ class DiskNotices:
             return f"a write to the disk tier failed, and --disk-dir {self.directory} cannot be read ({error.strerror})"
         why = (f"--disk-dir {self.directory} is not writable" if not writable else
                f"the file system has {size_text(free)} free" if free < (1 << 30) else "an I/O error")
-        return (f"a write to the disk tier failed ({why}): the state stays in RAM, not durable; later failures "
-                f"are counted in kvstate_failed_writes_total")
+        return f"a write to the disk tier failed ({why}): the state stays in RAM, not durable"
 
     def _dropped_writes(self, report: Any) -> str:
         return (f"a spill or checkpoint was not written: no room in the write queue or in --disk-bytes "
-                f"{size_text(self.disk_bytes)} ({size_text(report.disk_bytes)} held) that eviction could make; "
-                f"later ones are counted in kvstate_dropped_writes_total")
+                f"{size_text(self.disk_bytes)} ({size_text(report.disk_bytes)} held) that eviction could make")
 
     def _spills_over_rate(self, report: Any) -> str:
         cap = size_text(self.write_cap) if self.write_cap is not None else "the cap"
-        return (f"a spill was not written: --disk-write-bytes-per-hour {cap} is spent for now; later ones are "
-                f"counted in kvstate_spills_over_rate_total")
+        return f"a spill was not written: --disk-write-bytes-per-hour {cap} is spent for now"
 
     def _rejected_files(self, report: Any) -> str:
         return (f"{report.rejected_files} saved files were rejected (damaged, or of another model) and moved aside "
                 f"({report.rejected_held_files} held, {size_text(report.rejected_held_bytes)}); nothing of them was "
-                f"restored; later ones are counted in kvstate_rejected_files_total")
+                f"restored")
