@@ -478,6 +478,13 @@ def test_a_negative_shared_prefix_wait_is_refused(model_dir):
 SERVER_HOOKS = Path(__file__).parent / "server_hooks"
 
 
+def with_server_hooks(**variables: str) -> dict[str, str]:
+    """The environment of a server that loads ``tests/server_hooks/sitecustomize.py`` at start, with
+    ``variables`` (``KVSTATE_TEST_CLOCK``, ``KVSTATE_TEST_KILL``) saying which hooks to set."""
+    paths = [str(SERVER_HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(paths), **variables}
+
+
 def set_clock(clock: Path, seconds: float) -> None:
     """Move the test's clock to ``seconds``, in one step the server never sees half done (a new file
     renamed over the old: a read finds the old time or the new, never an empty file)."""
@@ -490,8 +497,7 @@ def on_the_tests_clock(clock: Path) -> dict[str, str]:
     """The environment of a server whose service reads its clock from ``clock`` (seconds, written by the
     test with :func:`set_clock`: ``tests/server_hooks/sitecustomize.py``); it starts at 0."""
     set_clock(clock, 0)
-    paths = [str(SERVER_HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {"PYTHONPATH": os.pathsep.join(paths), "KVSTATE_TEST_CLOCK": str(clock)}
+    return with_server_hooks(KVSTATE_TEST_CLOCK=str(clock))
 
 
 def _wear(server: Server, disk: Path, clock: Path) -> tuple[float, float]:

@@ -9,7 +9,6 @@ client, with the key in the ``Idempotency-Key`` header or the ``idempotency_key`
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -19,9 +18,8 @@ openai = pytest.importorskip("openai", reason="the serving tests talk through th
 
 from kvstate.interpreters.serving.resumable import Note, ResumableKeys  # noqa: E402
 from kvstate.models.model_dir import save_model_dir  # noqa: E402
-from tests.test_serve import Server  # noqa: E402
+from tests.test_serve import Server, with_server_hooks  # noqa: E402
 
-SERVER_HOOKS = Path(__file__).parent / "server_hooks"
 EVERY = 4
 MAX_TOKENS = 40
 #: mlx-lm's own penalty on repeated tokens over the whole reply, in the batch (its context is every token).
@@ -37,10 +35,7 @@ def model_dir(tmp_path_factory):
 def start(model_dir: Path, disk: Path, kill: str | None = None) -> Server:
     """A server with checkpoints every ``EVERY`` tokens on ``disk``; with ``kill``, one that kills itself
     at that crash point."""
-    environment = None
-    if kill is not None:
-        paths = [str(SERVER_HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])]
-        environment = {"PYTHONPATH": os.pathsep.join(paths), "KVSTATE_TEST_KILL": kill}
+    environment = with_server_hooks(KVSTATE_TEST_KILL=kill) if kill is not None else None
     return Server(model_dir, "--disk-dir", str(disk), "--disk-bytes", "64MiB", "--checkpoint-every", str(EVERY),
                   environment=environment)
 

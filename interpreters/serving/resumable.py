@@ -290,9 +290,9 @@ class ReplayingQueue:
     def put(self, item: Any) -> None:
         generation = self.generation
         if isinstance(item, self._context_type):
-            prompt = len(generation.lease.prompt)
-            if generation.resumed:
-                item.prompt, item.prompt_cache_count = list(generation.lease.prompt), prompt
+            if generation.resumed:  # its own prompt, all of it served from the checkpoint
+                item.prompt = list(generation.lease.prompt)
+                item.prompt_cache_count = len(item.prompt)
             self.queue.put(item)
             for response in generation.replayed():
                 self.queue.put(response)
