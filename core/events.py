@@ -267,6 +267,12 @@ class RamQuery(Event):
 
 
 @attrs.frozen
+class HeldBlocksQuery(Event):
+    """Which full blocks each tier holds now, as the ``BlockStored`` effects that would have told it
+    (for an observer of block events that starts watching: a pass over every entry)."""
+
+
+@attrs.frozen
 class ReportQuery(Event):
     """The counters, with what the interpreter holds aside that the core does not track: rejected
     files it keeps for inspection (outside every budget) and their bytes."""

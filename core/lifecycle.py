@@ -9,14 +9,14 @@ evicted by the disk's policy in the order the files were last used, and counted.
 
 from __future__ import annotations
 
-from kvstate.core import events as ev
+from kvstate.core import block_events, events as ev
 from kvstate.core.blocks import block_key, namespace_key
 from kvstate.core.checkpoints import expire_untouched, found_at_scan
 from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.pins import expire
-from kvstate.core.replies import FlushResult, HeldEntry, RamHeld, ScanResult
+from kvstate.core.replies import FlushResult, HeldBlocks, HeldEntry, RamHeld, ScanResult
 from kvstate.core.requests import decide_publish
 from kvstate.core.report import report
 from kvstate.core.state import (
@@ -202,6 +202,10 @@ def ram_query(state: ServiceState, e: ev.RamQuery) -> Step:
         each = tuple(HeldEntry(entry.namespace, entry.tokens, entry.nbytes) for entry in state.entries.values()
                      if entry.residence in IN_RAM and entry.namespace != OBJECTS)
     return Step(state, (), RamHeld(ram_prefixes(state), state.ram.bytes, each))
+
+
+def held_blocks_query(state: ServiceState, e: ev.HeldBlocksQuery) -> Step:
+    return Step(state, (), HeldBlocks(block_events.held(state)))
 
 
 def report_query(state: ServiceState, e: ev.ReportQuery) -> Step:

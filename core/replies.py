@@ -139,6 +139,13 @@ class RamHeld:
 
 
 @attrs.frozen
+class HeldBlocks:
+    """``HeldBlocksQuery``'s answer: each full block a tier holds, RAM's then the disk's, parents first."""
+
+    blocks: tuple
+
+
+@attrs.frozen
 class ObjectFound:
     """``objects.get``: the object is in ``handle``, from RAM or disk."""
 

@@ -158,6 +158,9 @@ class ServiceConfig:
     #: Whether the tokens past a prefix's last full block are kept, as a partial block (a longer
     #: chain's full block supersedes it), or dropped, to be recomputed by the next request.
     partial_blocks: bool = True
+    #: Whether transitions tell observers which full blocks each tier holds as it changes (effects
+    #: ``BlockStored`` and ``BlockRemoved``: :mod:`~kvstate.core.block_events`). Needs blocks.
+    block_events: bool = False
     #: The share of ``ram_capacity_bytes`` pinned state may hold (:mod:`~kvstate.core.pins`), and the
     #: longest a request may pin its prefix for (warm prompts, pinned by the operator, have no end).
     pin_share: float = 0.5
@@ -201,6 +204,11 @@ class ServiceConfig:
         if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or isinstance(
                 self.block_tokens, bool) or self.block_tokens < 1):
             raise InvalidConfig(f"block_tokens must be a positive int of tokens or None, got {self.block_tokens!r}")
+        if not isinstance(self.block_events, bool):
+            raise InvalidConfig(f"block_events must be True or False, got {self.block_events!r}")
+        if self.block_events and self.block_tokens is None:
+            raise InvalidConfig("block_events needs state kept in blocks (block_tokens): whole prefixes are not "
+                                "blocks a router can read")
         if isinstance(self.pin_share, bool) or not isinstance(self.pin_share, (int, float)) or not (
                 0 <= self.pin_share <= 1):
             raise InvalidConfig(f"pin_share must be a share of the RAM capacity from 0 to 1, got {self.pin_share!r}")

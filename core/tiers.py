@@ -12,6 +12,7 @@ from typing import Callable
 
 import attrs
 
+from kvstate.core import block_events
 from kvstate.core.admission import held_bound
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
@@ -133,6 +134,7 @@ def _leave(d: Draft, tier: TierDraft, entry: Entry, charge: int, after: Residenc
         tier.index = tier.index.remove(entry.namespace, entry.packed)
     tier.bytes -= charge
     tier.policy = tier.strategy.removed(tier.policy, entry.id)
+    block_events.removed(d, entry, block_events.RAM if tier is d.ram else block_events.DISK)
     if after is None:
         if entry.children:  # only where everything goes (close, a rejected file): what extends it is unusable
             _drop_extensions(d, entry)
@@ -220,12 +222,14 @@ def _forget(d: Draft, entry: Entry) -> None:
     if entry.residence in IN_RAM:
         d.ram.bytes -= entry.nbytes
         d.ram.policy = d.ram.strategy.removed(d.ram.policy, entry.id)
+        block_events.removed(d, entry, block_events.RAM)
     if entry.residence is R.PREFETCHING:
         d.ram.bytes -= entry.nbytes  # charged when its read ahead began
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING):
         if listed(entry, False):
             d.disk.index = d.disk.index.remove(entry.namespace, entry.packed)
         d.disk.policy = d.disk.strategy.removed(d.disk.policy, entry.id)
+        block_events.removed(d, entry, block_events.DISK)
     if entry.residence in (R.BOTH, R.DISK, R.PREFETCHING, R.SPILLING):
         d.disk.bytes -= entry.file_bytes
     if entry.residence is R.SPILLING:
@@ -262,6 +266,7 @@ def insert_ram(d: Draft, entry: Entry) -> None:
     if listed(entry, True):
         ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
+    block_events.stored(d, entry, block_events.RAM)
     count_child(d, entry, ram_children=1)
     _used(d, d.entries[entry.id])
 
@@ -289,6 +294,7 @@ def insert_disk(d: Draft, entry: Entry) -> None:
     if listed(entry, False):
         disk.index = disk.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     disk.policy = disk.strategy.inserted(disk.policy, entry.id, entry.file_bytes, entry.length, entry.tag)
+    block_events.stored(d, entry, block_events.DISK)
     count_child(d, entry, disk_children=1)
 
 
@@ -661,6 +667,9 @@ def _enter_ram(run: list[Entry], d: Draft) -> None:
     ram.policy = ram.strategy.inserted_all(ram.policy, [(e.id, e.nbytes, e.length, e.tag) for e in run])
     for entry in run:
         _used(d, entry)
+    if d.config.block_events:
+        for entry in reversed(run):  # told first block first, as a chain is read
+            block_events.stored(d, entry, block_events.RAM)
 
 
 def snapshot_worth_keeping(d: Draft, offer: Offer) -> bool:

@@ -91,6 +91,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Boundary: lifecycle.boundary,
     ev.Tick: lifecycle.tick,
     ev.RamQuery: lifecycle.ram_query,
+    ev.HeldBlocksQuery: lifecycle.held_blocks_query,
     ev.ReportQuery: lifecycle.report_query,
     ev.Flush: lifecycle.flush,
     ev.Close: lifecycle.close,

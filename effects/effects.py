@@ -211,6 +211,25 @@ class NotifyKept(Effect):
 
 
 @attrs.frozen
+class BlockStored(Effect):
+    """Tell block observers that tier ``medium`` (``"ram"`` or ``"disk"``) now holds the full block
+    ``name`` (what a fleet's router reads: :mod:`~kvstate.core.block_events`)."""
+
+    name: BlockName
+    medium: str
+
+
+@attrs.frozen
+class BlockRemoved(Effect):
+    """Tell block observers that tier ``medium`` no longer holds the full block keyed ``key`` in
+    ``namespace``."""
+
+    namespace: str
+    key: bytes = attrs.field(repr=lambda k: k.hex()[:12])
+    medium: str
+
+
+@attrs.frozen
 class WriteCheckpoint(Effect):
     """Write the caches staged under ``handle`` as generation checkpoint ``meta``; completes."""
 

@@ -60,6 +60,8 @@ PERFORMERS: dict[type, str] = {
     fx.SettleReadAhead: "_settle_read_ahead",
     fx.DeleteFile: "_delete_file",
     fx.NotifyKept: "_notify_kept",
+    fx.BlockStored: "_tell_block_observers",
+    fx.BlockRemoved: "_tell_block_observers",
     fx.WriteCheckpoint: "_write_checkpoint",
     fx.DeleteCheckpoint: "_delete_checkpoint",
     fx.ResumeCheckpoint: "_resume_checkpoint",
@@ -72,6 +74,7 @@ class Interpreter(Protocol):
     """What the service facade needs of an interpreter."""
 
     observers: list[Callable[[tuple[int, ...], str], None]]
+    block_observers: list[Callable[[fx.BlockStored | fx.BlockRemoved], None]]
 
     @property
     def now(self) -> float:
@@ -140,6 +143,8 @@ class HeldState:
         #: State read ahead, by entry, with whether it is a snapshot: RAM state once settled.
         self._ahead: dict[int, tuple[Any, bool]] = {}
         self.observers: list[Callable[[tuple[int, ...], str], None]] = []
+        #: Called with each ``BlockStored`` and ``BlockRemoved`` the core emits (``block_events`` on).
+        self.block_observers: list[Callable[[fx.BlockStored | fx.BlockRemoved], None]] = []
         self._performers: dict[type, Callable[[Any], list]] = {
             effect: getattr(self, method) for effect, method in PERFORMERS.items()}
 
@@ -193,4 +198,9 @@ class HeldState:
     def _notify_kept(self, e: fx.NotifyKept) -> list:
         for observe in self.observers:
             observe(e.key.tokens, e.key.namespace)
+        return []
+
+    def _tell_block_observers(self, e: fx.BlockStored | fx.BlockRemoved) -> list:
+        for observe in self.block_observers:
+            observe(e)
         return []

@@ -19,7 +19,7 @@ import attrs
 
 from kvstate.core import events as ev
 from kvstate.core.blocks import spans
-from kvstate.core.errors import UnknownRequest
+from kvstate.core.errors import InvalidConfig, UnknownRequest
 from kvstate.core.replies import (
     Admission, FlushResult, Kept, MaxTokensFit, ObjectFound, Pinned, RamHeld, ScanResult, Source,
 )
@@ -29,7 +29,7 @@ from kvstate.core.state import (
     OBJECTS, Counters, ServiceConfig, ServiceState, check_namespace, initial_state, object_tokens, request_check,
 )
 from kvstate.core.transitions import optional_bytes, step
-from kvstate.effects.effects import CheckpointMeta, DiskKey
+from kvstate.effects.effects import BlockRemoved, BlockStored, CheckpointMeta, DiskKey
 from kvstate.interpreters.base import BlockSizes, CacheFacts, Interpreter
 from kvstate.models.spec import ModelSpec
 
@@ -411,6 +411,18 @@ class KvCacheService:
     def on_put(self, observe: Callable[[tuple[int, ...], str], None]) -> None:
         """Call ``observe(tokens, namespace)`` for every prefix the service keeps (a router's index)."""
         self._interpreter.observers.append(observe)
+
+    def on_block_events(self, observe: Callable[[BlockStored | BlockRemoved], None]) -> None:
+        """Call ``observe`` with each change of which full blocks a tier holds (``BlockStored``,
+        ``BlockRemoved``; the service is built with ``block_events``). It is first called with a
+        ``BlockStored`` for every block held now, then with every change, in order: what it is told
+        always adds up to what the tiers hold."""
+        if not self.config.block_events:
+            raise InvalidConfig("block events need a service built with block_events=True (and blocks)")
+        with self._lock:
+            for stored in self._run(ev.HeldBlocksQuery()).blocks:
+                observe(stored)
+            self._interpreter.block_observers.append(observe)
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every prefix saved state holds, read from headers alone."""

@@ -28,10 +28,11 @@ from kvstate import (
     ContextLimitExceeded, KvCacheService, LayerKind, LayerSpec, ModelSpec, OverBudget, PinOverBudget, POLICIES, Request,
     RequestKeepsNoState, SimObject,
 )
-from kvstate.core.blocks import block_names
+from kvstate.core.blocks import block_key, block_names, namespace_key
+from kvstate.core.tokens import packed
 from kvstate.core.state import IN_RAM, OBJECTS, ON_DISK, Residence
 from kvstate.effects import DiskKey
-from kvstate.effects.effects import SnapshotName
+from kvstate.effects.effects import BlockName, BlockRemoved, BlockStored, SnapshotName
 from kvstate.interpreters.simulator import FaultPlan, FileModel, SimDisk
 from tests.reference import NaiveFifoPrefixCache, attention_bytes, longest_usable, usable
 
@@ -606,6 +607,28 @@ def test_tiered_machine():
 BLOCK = 4  # tokens a block holds in the blocked machine: prompts of up to 56 tokens make chains of up to 14
 
 
+class RouterView:
+    """What a router knows of one server from its block events alone: each tier's blocks by
+    ``(namespace, key)``. A block is stored once per tier and removed only once stored."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict] = {"ram": {}, "disk": {}}
+
+    def told(self, event) -> None:
+        tier = self.held[event.medium]
+        if isinstance(event, BlockStored):
+            key = (event.name.namespace, event.name.key)
+            assert key not in tier, f"{event.medium} told twice of one block"
+            name = event.name
+            assert len(name.tokens) == BLOCK and name.start % BLOCK == 0
+            assert (name.start == 0) == (name.parent == namespace_key(name.namespace))
+            assert name.key == block_key(name.parent, packed(name.tokens))  # a chain hash: its parent's key, its tokens
+            tier[key] = name
+        else:
+            assert isinstance(event, BlockRemoved)
+            assert tier.pop((event.namespace, event.key), None) is not None, f"{event.medium} removed a block never stored"
+
+
 def saved_key(entry):
     """The name an entry's saved copy has on the simulated disk (a block's, or a whole prefix's)."""
     if entry.is_block:
@@ -627,13 +650,31 @@ class BlockedServiceMachine(TieredServiceMachine):
         super().build(policy, hybrid, header, per_token, idle_rule)
 
     def restarted(self):
-        return self.make_service(
+        service = self.make_service(
             policy=self.policy, disk_bytes=DISK, write_queue_bytes=RAM // 2, block_tokens=BLOCK,
-            partial_blocks=self.partial,
+            partial_blocks=self.partial, block_events=True,
             **({"demote_idle_after": IDLE} if self.idle_rule != "write" else {}),
             **({"write_idle_after": IDLE} if self.idle_rule != "demote" else {}),
             interpreter_options={"disk": self.disk, "faults": self.faults, "deferred_writes": True,
                                  "deferred_reads": True, "files": self.files})
+        self.router = RouterView()  # a router that starts watching this process: told what is held, then changes
+        service.on_block_events(self.router.told)
+        return service
+
+    @invariant()
+    def a_router_told_by_block_events_sees_what_each_tier_holds(self):
+        """What the block events told adds up to the full blocks the interpreter holds: in RAM, the
+        entries whose state it holds; on disk, the block files the simulated disk holds. Each block
+        told with its own tokens and its parent's key, as its name says."""
+        state = self.service.state
+        in_ram = {(e.namespace, e.block): e for e in (state.entries[i] for i in self.service.interpreter.ram_entries())
+                  if e.is_block and e.length - e.start == BLOCK}
+        assert self.router.held["ram"].keys() == in_ram.keys()
+        for key, entry in in_ram.items():
+            assert self.router.held["ram"][key].tokens == self.service.interpreter.ram_content(entry.id).tokens
+        on_disk = {(name.namespace, name.key): name for name in self.disk.files
+                   if isinstance(name, BlockName) and len(name.tokens) == BLOCK}
+        assert self.router.held["disk"] == on_disk
 
     def own_tokens(self, entry):
         """What a block's content is (its own tokens), or a snapshot's (every token it is the state after)."""
