@@ -79,6 +79,9 @@ class KvStatePromptCache:
         #: Asked after every fetch and insert whether the disk tier had trouble to tell of
         #: (:class:`~kvstate.interpreters.serving.disk_notices.DiskNotices`); None: no disk tier.
         self.disk_notices: Any = None
+        #: Publishes which blocks the tiers hold, for a fleet's router
+        #: (:class:`~kvstate.interpreters.fleet.kv_events.KvEventPublisher`); None: not published.
+        self.kv_events: Any = None
         config = service.config
         # The clock reaches the service only where a rule reads it (idle writes, idle demotion, checkpoints
         # left by clients that never came back).

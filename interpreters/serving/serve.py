@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -423,6 +424,15 @@ def kvstate_options() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-keep", type=float, default=CHECKPOINT_KEEP_S, metavar="SECONDS",
                         help="delete the checkpoint of a generation that stopped unfinished once nothing has "
                              f"resumed it for this long (a client that never retried; default {CHECKPOINT_KEEP_S:g})")
+    parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish which blocks RAM and disk hold, as vLLM's KV events over ZMQ, for a "
+                             "fleet's router: bound where the endpoint has a wildcard (tcp://*:5557), else "
+                             "connected to (needs blocks and the fleet extra: pip install 'kvstate[fleet]')")
+    parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                        help="bind a replay socket here: a subscriber that missed batches asks for them again "
+                             "from a sequence number, as vLLM's subscribers do (default: none)")
+    parser.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                        help="the topic frame of every KV event message (default: empty)")
     parser.add_argument("--no-verify", action="store_true", help="skip content hashes on restores from disk")
     parser.add_argument("--warm-prompt", action="append", default=[], metavar="FILE",
                         help="prefill this prompt before serving and keep it in RAM until the server stops: a "
@@ -477,7 +487,8 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         write_idle_after=options.disk_write_idle, write_bytes_per_hour=options.disk_write_bytes_per_hour,
         block_tokens=options.block_tokens or None, pin_share=options.pin_share,
         max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every,
-        checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None)
+        checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None,
+        block_events=options.kv_events is not None)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     cache.template_tokens = chat_template_prefix(tokenizer)
     if options.disk_dir is not None:
@@ -487,6 +498,8 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         cache.disk_notices = DiskNotices(service, Path(options.disk_dir), options.disk_bytes,
                                          options.disk_write_bytes_per_hour)
     try:
+        if options.kv_events is not None:
+            cache.kv_events = kv_event_publisher(service, options)
         if options.record_trace is not None:
             cache.recorder = TraceRecorder(options.record_trace)
             logging.info("kvstate: recording requests to %s", options.record_trace)
@@ -496,8 +509,24 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         if cache.recorder is not None:
             cache.recorder.close()
         service.close()
+        if cache.kv_events is not None:
+            cache.kv_events.close()
         raise
     return cache
+
+
+def kv_event_publisher(service: KvCacheService, options: argparse.Namespace) -> Any:
+    """A publisher of ``service``'s block events on ``--kv-events`` (replays on ``--kv-events-replay``),
+    told first what the tiers hold (what the scan found on disk)."""
+    from kvstate.interpreters.fleet.kv_events import KvEventPublisher
+
+    publisher = KvEventPublisher(options.kv_events, block_size=service.config.block_tokens,
+                                 replay_endpoint=options.kv_events_replay, topic=options.kv_events_topic,
+                                 default_namespace=DEFAULT_NAMESPACE)
+    service.on_block_events(publisher.told)
+    logging.info("kvstate: KV events on %s%s", publisher.endpoint or options.kv_events,
+                 f", replays on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+    return publisher
 
 
 def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
@@ -551,6 +580,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
             if cache.recorder is not None:
                 cache.recorder.close()
             result = cache.service.close()
+            if cache.kv_events is not None:
+                cache.kv_events.close()  # after the close: a router hears RAM's blocks go
             logging.info("kvstate: closed, %s", json.dumps({"durable": result.durable,
                                                              "ram_only_entries": result.ram_only_entries}))
     return 0
@@ -596,6 +627,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvstate serve: --block-tokens is a number of tokens, 0 (whole prompts) or more; "
               f"got {options.block_tokens}", file=sys.stderr)
         return 2
+    refusal = kv_events_refusal(options)
+    if refusal is not None:
+        print(f"kvstate serve: {refusal}", file=sys.stderr)
+        return 2
     if not 0 <= options.pin_share <= 1:
         print(f"kvstate serve: --pin-share is a share of --ram-bytes from 0 to 1; got {options.pin_share}",
               file=sys.stderr)
@@ -636,6 +671,24 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     leave(status)
+
+
+def kv_events_refusal(options: argparse.Namespace) -> str | None:
+    """Why the KV-event flags cannot work (None: they can, or are not given): events tell blocks, so
+    they need state in blocks; a replay or a topic needs the events; the endpoints need ZMQ's form;
+    publishing needs the fleet extra."""
+    if options.kv_events is None:
+        if options.kv_events_replay is not None or options.kv_events_topic:
+            return "--kv-events-replay and --kv-events-topic need --kv-events ENDPOINT: where events are published"
+        return None
+    if options.block_tokens == 0:
+        return "--kv-events tells which blocks a server holds: it needs state in blocks (drop --block-tokens 0)"
+    for flag, endpoint in (("--kv-events", options.kv_events), ("--kv-events-replay", options.kv_events_replay)):
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            return f"{flag} {endpoint}: not a ZMQ endpoint (tcp://HOST:PORT, tcp://*:PORT or ipc://PATH)"
+    if importlib.util.find_spec("zmq") is None or importlib.util.find_spec("msgspec") is None:
+        return "--kv-events needs pyzmq and msgspec: pip install 'kvstate[fleet]'"
+    return None
 
 
 def start_refusal(options: argparse.Namespace, server_argv: Sequence[str]) -> str | None:
