@@ -400,6 +400,42 @@ class DiskStore:
             raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
                               f"{file.path.name}: {error}") from None
 
+    def saved_block_bytes(self, name: BlockName) -> bytes | None:
+        """The bytes of the file of block ``name`` as they lie on disk (to offer another tier), or None
+        where there is none or it cannot be read."""
+        try:
+            return self.block_path(name).read_bytes()
+        except OSError:
+            return None
+
+    def adopt_block(self, name: BlockName, data: bytes) -> int:
+        """Take the bytes of a block file from elsewhere (another server's, through a shared tier) as
+        this store's file of ``name``, once verified as a restore verifies a file, whatever ``verify``
+        says: its header (hash, format, model identity, the very block ``name`` names) and every tensor
+        against its hash. Its size in bytes. :class:`RejectedFile` where it cannot be trusted, and
+        :class:`WriteFailed` where it cannot be written: nothing is kept either way."""
+        path = self.block_path(name)
+        temp = path.with_name(f".{path.stem}.adopt-{os.getpid()}-{threading.get_ident()}{SUFFIX}")
+        buffer = np.frombuffer(data, np.uint8)
+        try:
+            self.write_file(temp, [buffer])
+        except OSError as error:
+            remove_quietly(temp)
+            no_space = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise WriteFailed(FailureReason.NO_SPACE if no_space else FailureReason.IO_ERROR,
+                              f"{path.name}: {error}") from None
+        try:
+            with open(temp, "rb") as file:
+                described, metadata, tensors = self._describe_named(name, path, file)
+            start = described.file_bytes - max((info["data_offsets"][1] for info in tensors.values()), default=0)
+            self._verify(path, metadata, {tensor: buffer[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
+                                          for tensor, info in tensors.items()})
+            os.replace(temp, path)
+        except BaseException:
+            remove_quietly(temp)
+            raise
+        return len(data)
+
     def delete_prefix(self, key: DiskKey | BlockName | SnapshotName) -> None:
         remove_quietly(self._path_of(key))
 
