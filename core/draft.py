@@ -70,6 +70,7 @@ class Draft:
     now: float
     pace: Any
     phase: Any
+    remote_reading: Any
     close_result: Any
     deferred: Any
     counts: dict[str, int]

@@ -173,6 +173,16 @@ class PeekPrefixLen(Event):
 
 
 @attrs.frozen
+class RemoteLookup(Event):
+    """A request for ``prompt`` in ``namespace`` arrived: fetch the blocks of it this server lacks from
+    the shared tier, where that pays (:mod:`~kvstate.core.remote`); the reply says whether a fetch of
+    them is in flight (``ReadingAhead`` says when it has landed)."""
+
+    prompt: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    namespace: str
+
+
+@attrs.frozen
 class ReadingAhead(Event):
     """Whether blocks that would serve ``prompt`` are being read ahead into RAM now; changes nothing."""
 

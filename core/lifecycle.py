@@ -33,10 +33,11 @@ from kvstate.effects import effects as fx
 R = Residence
 
 
-def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
-    """Saved blocks enter the disk tier in the order they were last used, each after the block it
-    extends; a block whose parent is not saved (or went to make room) serves nothing and is deleted, as
-    is one whose name does not hash to its key. The bytes found."""
+def enter_saved_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
+    """Saved blocks (a scan's, or fetched from the shared tier) enter the disk tier in the order they
+    were last used, each after the block it extends (entered with it, or already held); a block whose
+    parent is not held (or went to make room) serves nothing and is deleted, as is one whose name does
+    not hash to its key. The bytes found."""
     waiting: dict[tuple[str, bytes], list[done.SavedBlock]] = {}
     entered: dict[tuple[str, bytes], int] = {}
     found = 0
@@ -84,7 +85,8 @@ def _scan_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
         check_namespace(name.namespace)
         snapshot = isinstance(name, fx.SnapshotName)
         first = not snapshot and name.parent == namespace_key(name.namespace)
-        parent = d.entries.get(entered.get((name.namespace, name.parent), 0)) if not first else None
+        parent_id = entered.get((name.namespace, name.parent)) or d.blocks.get((name.namespace, name.parent))
+        parent = d.entries.get(parent_id) if not first and parent_id is not None else None
         if not snapshot and (block_key(name.parent, packed(name.tokens)) != name.key or (first and name.start != 0)):
             orphan(block)
         elif first or parent is not None:
@@ -245,7 +247,7 @@ def scanned(state: ServiceState, e: done.Scanned) -> Step:
         d.set_entry(entry)
         d.disk.bytes += entry.file_bytes
         insert_disk(d, entry)
-    found_bytes += _scan_blocks(d, e.blocks)
+    found_bytes += enter_saved_blocks(d, e.blocks)
     evicted = [effect for effect in d.out if isinstance(effect, fx.DeleteFile)]
     deleted += len(evicted)
     deleted_bytes += checkpoint_bytes + found_bytes - d.disk.bytes

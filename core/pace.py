@@ -56,6 +56,15 @@ def read_measured(d: Draft, file_bytes: int, seconds: float | None) -> None:
                           read_bytes=_decayed(d.pace.read_bytes, file_bytes))
 
 
+def remote_measured(d: Draft, nbytes: int, seconds: float | None) -> None:
+    """A fetch of ``nbytes`` from the shared tier, kept on disk, took ``seconds`` (None: not timed)."""
+    if seconds is None or nbytes <= 0:
+        return
+    seconds = _check(seconds, "a fetch's seconds")
+    d.pace = attrs.evolve(d.pace, remote_seconds=_decayed(d.pace.remote_seconds, seconds),
+                          remote_bytes=_decayed(d.pace.remote_bytes, nbytes))
+
+
 def prefill_measured(state: ServiceState, e: ev.PrefillMeasured) -> Step:
     """The serving loop prefilled ``tokens`` tokens in ``seconds``."""
     tokens = non_negative_int(e.tokens, "a prefill's tokens")

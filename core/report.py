@@ -92,6 +92,18 @@ class Report:
     projected_bytes: int
     measured_bytes: int
     budget_bytes: int | None
+    #: The shared tier (:mod:`~kvstate.core.remote`): fetches started, blocks read from it and their
+    #: bytes, objects rejected, calls that failed, lookups passed up for a prefill, blocks written there
+    #: and offers another server had written first; its measured pace (None until measured).
+    remote_fetches: int = 0
+    remote_blocks_read: int = 0
+    remote_bytes_read: int = 0
+    remote_rejected: int = 0
+    remote_failures: int = 0
+    remote_passed_up: int = 0
+    remote_writes: int = 0
+    remote_already_held: int = 0
+    remote_bytes_per_s: float | None = None
 
 
 def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: int) -> Report:
@@ -127,7 +139,11 @@ def report(state: ServiceState, rejected_held_files: int, rejected_held_bytes: i
         checkpoints_written=c.checkpoints_written, resumes=c.resumes, checkpoints_expired=c.checkpoints_expired,
         pins=c.pins, pins_missed=c.pins_missed, pinned_entries=pinned_entries, pinned_bytes=pinned,
         live_requests=len(state.leases), projected_bytes=state.projected_bytes,
-        measured_bytes=state.measured_bytes, budget_bytes=config.kv_budget_bytes)
+        measured_bytes=state.measured_bytes, budget_bytes=config.kv_budget_bytes,
+        remote_fetches=c.remote_fetches, remote_blocks_read=c.remote_blocks_read,
+        remote_bytes_read=c.remote_bytes_read, remote_rejected=c.remote_rejected, remote_failures=c.remote_failures,
+        remote_passed_up=c.remote_passed_up, remote_writes=c.remote_writes,
+        remote_already_held=c.remote_already_held, remote_bytes_per_s=_per_second(state.pace.remote_s_per_byte))
 
 
 def _per_second(seconds_per_unit: float | None) -> float | None:

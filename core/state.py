@@ -158,6 +158,10 @@ class ServiceConfig:
     #: Whether the tokens past a prefix's last full block are kept, as a partial block (a longer
     #: chain's full block supersedes it), or dropped, to be recomputed by the next request.
     partial_blocks: bool = True
+    #: Whether a shared tier (an object store the servers of a fleet share) holds blocks beyond this
+    #: server's disk, which caches what it fetches from there (:mod:`~kvstate.core.remote`). Needs
+    #: blocks and a disk tier.
+    remote_tier: bool = False
     #: Whether transitions tell observers which full blocks each tier holds as it changes (effects
     #: ``BlockStored`` and ``BlockRemoved``: :mod:`~kvstate.core.block_events`). Needs blocks.
     block_events: bool = False
@@ -204,6 +208,11 @@ class ServiceConfig:
         if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or isinstance(
                 self.block_tokens, bool) or self.block_tokens < 1):
             raise InvalidConfig(f"block_tokens must be a positive int of tokens or None, got {self.block_tokens!r}")
+        if not isinstance(self.remote_tier, bool):
+            raise InvalidConfig(f"remote_tier must be True or False, got {self.remote_tier!r}")
+        if self.remote_tier and (self.block_tokens is None or not self.has_disk):
+            raise InvalidConfig("remote_tier needs state kept in blocks (block_tokens) and a disk tier "
+                                "(disk_capacity_bytes): the disk keeps what is fetched from the shared tier")
         if not isinstance(self.block_events, bool):
             raise InvalidConfig(f"block_events must be True or False, got {self.block_events!r}")
         if self.block_events and self.block_tokens is None:
@@ -412,6 +421,17 @@ class Counters(NamedTuple):
     #: Prefixes pinned (:mod:`~kvstate.core.pins`), and pins asked of a prefix RAM did not hold.
     pins: int = 0
     pins_missed: int = 0
+    #: The shared tier (:mod:`~kvstate.core.remote`): fetches started, blocks read from it (verified and
+    #: kept on disk) and their bytes, objects rejected, calls that failed, lookups whose read would not
+    #: beat a prefill, blocks this server wrote there, and offers another server had written first.
+    remote_fetches: int = 0
+    remote_blocks_read: int = 0
+    remote_bytes_read: int = 0
+    remote_rejected: int = 0
+    remote_failures: int = 0
+    remote_passed_up: int = 0
+    remote_writes: int = 0
+    remote_already_held: int = 0
 
     def plus(self, counts: dict[str, int]) -> "Counters":
         """These counters with ``counts`` (name -> increment) added."""
@@ -463,6 +483,13 @@ class Pace:
     read_bytes: float = 0.0
     prefill_seconds: float = 0.0
     prefill_tokens: float = 0.0
+    remote_seconds: float = 0.0
+    remote_bytes: float = 0.0
+
+    @property
+    def remote_s_per_byte(self) -> float | None:
+        """Seconds to fetch one byte from the shared tier and keep it on disk (None: none measured yet)."""
+        return self.remote_seconds / self.remote_bytes if self.remote_bytes else None
 
     @property
     def read_s_per_byte(self) -> float | None:
@@ -515,6 +542,8 @@ class ServiceState:
     now: float = 0.0
     pace: Pace = Pace()
     phase: Phase = Phase.OPEN
+    #: (namespace, chain key) of the blocks being fetched from the shared tier (:mod:`~kvstate.core.remote`).
+    remote_reading: frozenset = frozenset()
     #: close()'s verdict once closed; or a publish parked until the writes in flight settle.
     close_result: Any = None
     deferred: Any = None

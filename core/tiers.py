@@ -17,7 +17,7 @@ from kvstate.core.admission import held_bound
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
-from kvstate.core.blocks import block_key, namespace_key, spans
+from kvstate.core.blocks import block_key, chain, namespace_key, spans
 from kvstate.core.state import (
     IN_RAM, ON_DISK, OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
 )
@@ -758,6 +758,9 @@ def spill_done(d: Draft, e: done.SpillDone) -> object:
     insert_disk(d, written)
     d.count("spills")
     d.count("bytes_written", written.file_bytes)
+    # Offered to the shared tier, which keeps the first server's copy: full blocks only (what a fetch reads).
+    if d.config.remote_tier and written.is_block and written.length - written.start == d.config.block_tokens:
+        d.out.append(fx.OfferRemote(saved_name(d, written)))
     # A block RAM came to extend meanwhile keeps its RAM copy, and so does an entry pinned meanwhile.
     if entry.demote and not written.ram_children and not pinned(d, entry.id):
         drop_ram(d, written)
@@ -950,9 +953,14 @@ def _prefetch_chain(d: Draft, entry: Entry, length: int, in_ram: int) -> bool:
 
 
 def reading_ahead(state: ServiceState, namespace: str, prompt: tuple[int, ...]) -> bool:
-    """Whether a block of the longest saved chain serving ``prompt`` is being read ahead into RAM."""
+    """Whether a block of the longest saved chain serving ``prompt`` is being read ahead into RAM, or a
+    block of ``prompt`` fetched from the shared tier."""
     if not state.config.has_disk:
         return False
+    if state.remote_reading:
+        keys = chain(namespace, packed(prompt), state.config.block_tokens)
+        if any((namespace, key) in state.remote_reading for key in keys):
+            return True
     length, found = state.disk.index.longest(namespace, prompt)
     if found is None:
         return False

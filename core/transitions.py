@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, pins, requests, reuse, sharing, tiers
+from kvstate.core import checkpoints, events as ev, lifecycle, objects, pace, pins, remote, requests, reuse, sharing, tiers
 from kvstate.core.admission import own_bytes
 from kvstate.core.checks import ensure_open, keeps
 from kvstate.core.checkpoints import checkpoint_key, checkpoint_meta
@@ -84,6 +84,7 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.CheckpointNote: checkpoints.kept_note,
     ev.Prefetch: _prefetch,
     ev.ReadingAhead: _reading_ahead,
+    ev.RemoteLookup: remote.lookup,
     ev.Pin: pins.pin,
     ev.PinFits: pins.pin_fits,
     ev.ObjectGet: objects.object_get,
@@ -96,6 +97,8 @@ HANDLERS: dict[type, Callable[[ServiceState, Any], Step]] = {
     ev.Flush: lifecycle.flush,
     ev.Close: lifecycle.close,
     done.Scanned: lifecycle.scanned,
+    done.RemoteFetched: remote.fetched,
+    done.RemoteOffered: remote.offered,
     done.SpillDone: _on_draft(tiers.spill_done),
     done.SpillFailed: _on_draft(tiers.spill_failed),
     done.PrefetchDone: _on_draft(tiers.prefetch_done),

@@ -204,3 +204,27 @@ class Scanned(Completion):
     rejected: int = 0
     #: Saved blocks (state kept in blocks), each with its chain's name.
     blocks: tuple[SavedBlock, ...] = ()
+
+
+@attrs.frozen
+class RemoteFetched(Completion):
+    """A ``FetchRemote`` of ``asked`` ended: ``blocks``, its first blocks, were read from the shared tier,
+    verified and kept on disk (``nbytes`` read in ``seconds``: None where not timed); then, where it
+    stopped early, the next object was ``rejected`` (it failed its checks: nothing of it kept) or the
+    tier ``failed`` (down, slow, an error), else the tier lacked it."""
+
+    asked: tuple[BlockName, ...]
+    blocks: tuple[SavedBlock, ...] = ()
+    nbytes: int = 0
+    seconds: float | None = None
+    rejected: bool = False
+    failed: bool = False
+
+
+@attrs.frozen
+class RemoteOffered(Completion):
+    """An ``OfferRemote`` of ``name`` ended: True, written; False, the tier had it (another server's
+    write stands); None, not written (the tier failed, or the file was gone)."""
+
+    name: BlockName
+    written: bool | None

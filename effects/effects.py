@@ -211,6 +211,23 @@ class NotifyKept(Effect):
 
 
 @attrs.frozen
+class FetchRemote(Effect):
+    """Read the blocks ``names`` (one chain, first position first) from the shared tier, stopping at
+    the first it lacks, cannot give or that fails its checks; keep each verified one on disk as a
+    saved block; completes (``RemoteFetched``), possibly later."""
+
+    names: tuple[BlockName, ...]
+
+
+@attrs.frozen
+class OfferRemote(Effect):
+    """Write saved block ``name`` (its file) to the shared tier unless it is there; completes
+    (``RemoteOffered``), possibly later."""
+
+    name: BlockName
+
+
+@attrs.frozen
 class BlockStored(Effect):
     """Tell block observers that tier ``medium`` (``"ram"`` or ``"disk"``) now holds the full block
     ``name`` (what a fleet's router reads: :mod:`~kvstate.core.block_events`)."""

@@ -60,6 +60,8 @@ PERFORMERS: dict[type, str] = {
     fx.SettleReadAhead: "_settle_read_ahead",
     fx.DeleteFile: "_delete_file",
     fx.NotifyKept: "_notify_kept",
+    fx.FetchRemote: "_fetch_remote",
+    fx.OfferRemote: "_offer_remote",
     fx.BlockStored: "_tell_block_observers",
     fx.BlockRemoved: "_tell_block_observers",
     fx.WriteCheckpoint: "_write_checkpoint",

@@ -370,6 +370,13 @@ class KvCacheService:
         """Start reading the saved prefix of ``prompt`` into RAM; True if a read started."""
         return self._run(ev.Prefetch(as_tokens(prompt), namespace))
 
+    def remote_lookup(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> bool:
+        """A request for ``prompt`` arrived: start fetching the blocks of it this server lacks from the
+        shared tier, where that beats prefilling them; whether a fetch of them was started or is in
+        flight (one that runs in the background lands at a ``collect`` or ``boundary``:
+        ``reading_ahead`` says while it has not). False without a shared tier."""
+        return self._run(ev.RemoteLookup(tuple(prompt), namespace))
+
     def reading_ahead(self, prompt: Iterable[int], namespace: str = DEFAULT_NAMESPACE) -> bool:
         """Whether blocks that would serve ``prompt`` are being read ahead into RAM now (a ``prefetch``
         in flight: their completions land at a ``collect`` or ``boundary``)."""

@@ -101,6 +101,7 @@ class CostModel:
     prefill_tokens_per_second: float = 4000.0
     restore_bytes_per_second: float = 3e9
     write_bytes_per_second: float = 1.5e9
+    remote_bytes_per_second: float = 1e9
 
 
 @attrs.define
@@ -160,6 +161,22 @@ class SimDisk:
 
 
 @attrs.define
+class SimRemote:
+    """The simulated shared tier: an object store the simulators of a fleet share, its objects saved
+    blocks by model identity and name (a copy of the file a server wrote first). ``down`` makes every
+    call fail, as a store that went away."""
+
+    objects: dict[tuple[str, fx.BlockName], SimFile] = attrs.Factory(dict)
+    down: bool = False
+    #: Calls made (fetches of an object, and offers), failed or not.
+    calls: int = 0
+
+    def corrupt(self, identity: str, name: fx.BlockName) -> None:
+        """Flip bits in a stored object: a server that fetches it finds it fails its content hash."""
+        self.objects[identity, name].corrupt = True
+
+
+@attrs.define
 class FaultPlan:
     """Faults to inject: write numbers (1-based, spills and checkpoints) that fail, read numbers that hit
     an I/O error, and a crash point."""
@@ -193,12 +210,13 @@ class SimulatorInterpreter(HeldState):
 
     def __init__(self, model: ModelSpec, *, identity: str = "sim", cost: CostModel | None = None,
                  disk: SimDisk | None = None, faults: FaultPlan | None = None, deferred_writes: bool = False,
-                 deferred_reads: bool = False, files: FileModel | None = None):
+                 deferred_reads: bool = False, files: FileModel | None = None, remote: SimRemote | None = None):
         self.model = model
         self.files = files or FileModel()
         self.identity = identity
         self.cost = cost or CostModel()
         self.disk = disk if disk is not None else SimDisk()
+        self.remote = remote
         self.faults = faults or FaultPlan()
         self.deferred_writes = deferred_writes
         #: Reads ahead of a chain's blocks (``PrefetchBlocks``) complete at ``poll``, as a background
@@ -481,6 +499,44 @@ class SimulatorInterpreter(HeldState):
             seconds += self._read_seconds(file)
         return [done.BlocksPrefetched(tuple(read), seconds)]
 
+    def _fetch_remote(self, e: fx.FetchRemote) -> list:
+        """Copy the chain's objects to the disk, in order, up to the first the store lacks or that fails
+        its hash (not kept); the store down fails the fetch."""
+        if self.remote is None:
+            raise InterpreterError("a shared-tier effect reached a simulator without a remote")
+        blocks, nbytes, rejected, failed = [], 0, False, False
+        for name in e.names:
+            self.remote.calls += 1
+            if self.remote.down:
+                failed = True
+                break
+            stored = self.remote.objects.get((self.identity, name))
+            if stored is None:
+                break
+            if stored.corrupt:
+                rejected = True
+                break
+            file = attrs.evolve(stored, used_at=self.disk.stamp())
+            self.disk.files[name] = file
+            blocks.append(SavedBlock(name, file.nbytes, file.file_bytes, file.used_at, file.trimmable))
+            nbytes += file.file_bytes
+        seconds = nbytes / self.cost.remote_bytes_per_second if nbytes else None
+        return [done.RemoteFetched(e.names, tuple(blocks), nbytes, seconds, rejected, failed)]
+
+    def _offer_remote(self, e: fx.OfferRemote) -> list:
+        if self.remote is None:
+            raise InterpreterError("a shared-tier effect reached a simulator without a remote")
+        file = self.disk.files.get(e.name)
+        if file is None:
+            return []
+        self.remote.calls += 1
+        if self.remote.down:
+            return [done.RemoteOffered(e.name, None)]
+        if (self.identity, e.name) in self.remote.objects:
+            return [done.RemoteOffered(e.name, False)]
+        self.remote.objects[self.identity, e.name] = attrs.evolve(file)
+        return [done.RemoteOffered(e.name, True)]
+
     def _delete_file(self, e: fx.DeleteFile) -> list:
         self.disk.files.pop(e.key, None)
         return []
@@ -515,13 +571,16 @@ def simulated_parts(model: str | ModelSpec = "llama-3.1-8b", *, ram_bytes: int, 
     ``disk_bytes`` the simulated disk tier (None: none). Further ``options``
     are :class:`~kvstate.core.state.ServiceConfig` fields; ``interpreter_options``
     go to :class:`SimulatorInterpreter` (``disk``, ``faults``, ``cost``,
-    ``deferred_writes``, ``deferred_reads``, ``identity``, ``files``).
+    ``deferred_writes``, ``deferred_reads``, ``identity``, ``files``, ``remote``:
+    a :class:`SimRemote` shared by a fleet, which turns ``remote_tier`` on).
     """
     spec = model_spec(model) if isinstance(model, str) else model
     interpreter_options = dict(interpreter_options or {})
     identity = options.get("identity") or interpreter_options.get("identity") or f"sim:{spec.name}"
     options.setdefault("identity", identity)
     interpreter_options.setdefault("identity", identity)
+    if interpreter_options.get("remote") is not None:
+        options.setdefault("remote_tier", True)
     config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
                            disk_capacity_bytes=disk_bytes, policy=policy, **options)
     return config, SimulatorInterpreter(spec, **interpreter_options)

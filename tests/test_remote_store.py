@@ -64,7 +64,7 @@ def test_a_block_saved_by_one_server_is_restored_by_another_from_the_bucket(llam
     fetched = remote_of(second, object_store)
     assert all(fetched.holds(name) for name in names)
     for name in names:
-        assert store.adopt_block(name, fetched.fetch(name)) == store.block_path(name).stat().st_size
+        assert store.adopt_block(name, fetched.fetch(name)).file_bytes == store.block_path(name).stat().st_size
     second.close()
     again = service_for(model, config, tmp_path / "b")
     assert again.scan_result.kept == 3
@@ -130,3 +130,56 @@ def test_remote_addresses_are_s3_urls():
     for bad in ("http://bucket/x", "s3://", "s3://ab/x", "bucket/x"):
         with pytest.raises(BadRemoteUrl):
             parse_remote(bad)
+
+
+@pytest.fixture
+def credentials(monkeypatch):
+    """The usual AWS variables, as an operator sets them (the test store takes any)."""
+    for variable, value in (("AWS_ACCESS_KEY_ID", "kvstate"), ("AWS_SECRET_ACCESS_KEY", "kvstate"),
+                            ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(variable, value)
+
+
+def test_two_services_on_one_bucket_a_conversation_continues_on_the_other(llama, tmp_path, object_store,
+                                                                          credentials):
+    model, config = llama
+    prompt = tuple(range(3, 3 + 3 * SIZE + 5))
+    shared = {"remote": f"s3://{object_store.bucket}/{tmp_path.name}", "remote_endpoint": object_store.endpoint}
+    first = service_for(model, config, tmp_path / "a", **shared)
+    turn(first, model, prompt)
+    assert first.flush().durable
+    assert first.report().remote_writes == 3  # its full blocks, written once their files are durable
+    first.close()
+    second = service_for(model, config, tmp_path / "b", **shared)
+    follow = prompt + (200, 201)
+    assert second.remote_lookup(follow, "n")
+    assert not second.reading_ahead(follow, "n")  # landed already: no writer thread in this test
+    state, logits = turn(second, model, follow)
+    assert state.source is Source.DISK and state.reused_tokens == 3 * SIZE
+    assert_recomputed(model, follow, logits)
+    report = second.report()
+    assert (report.remote_fetches, report.remote_blocks_read, report.remote_rejected) == (1, 3, 0)
+    second.close()
+
+
+def test_a_store_killed_mid_run_changes_no_answer(llama, tmp_path, credentials):
+    model, config = llama
+    store = ObjectStore(tmp_path / "seaweedfs")
+    shared = {"remote": f"s3://{store.bucket}/killed", "remote_endpoint": store.endpoint}
+    try:
+        first = service_for(model, config, tmp_path / "a", **shared)
+        prompt = tuple(range(60, 60 + 2 * SIZE + 3))
+        turn(first, model, prompt)
+        assert first.flush().durable and first.report().remote_writes == 2
+    finally:
+        store.stop()
+    second = service_for(model, config, tmp_path / "b", **shared)
+    assert second.remote_lookup(prompt, "n") and not second.reading_ahead(prompt, "n")
+    state, logits = turn(second, model, prompt)
+    assert state.reused_tokens == 0  # nothing from the store: prefilled, the same answer
+    assert_recomputed(model, prompt, logits)
+    assert second.report().remote_failures >= 1
+    turn(first, model, prompt + (5,) * SIZE)  # the first goes on too: its offer fails, counted
+    assert first.flush().durable and first.report().remote_failures >= 1
+    first.close()
+    second.close()

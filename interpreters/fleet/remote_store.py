@@ -18,10 +18,13 @@ tiers meanwhile. Credentials come from the usual AWS variables (or any source bo
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from kvstate.effects import completions as done
 from kvstate.effects.effects import BlockName
+from kvstate.interpreters.mlx.file_io import RejectedFile, WriteFailed
 
 try:
     import boto3
@@ -121,3 +124,43 @@ class RemoteStore:
             self.last_failure = f"{type(error).__name__}: {error}"
             self._down_until = self.clock() + self.back_off_s
             raise RemoteUnavailable(self.last_failure) from None
+
+
+def fetch_chain(remote: RemoteStore, store: Any, names: tuple[BlockName, ...]) -> done.RemoteFetched:
+    """Fetch the blocks ``names`` (one chain, in order) into ``store`` (a
+    :class:`~kvstate.interpreters.mlx.disk_store.DiskStore`), each verified before it is kept, up to the
+    first the remote lacks, fails to give, or gives in a form that fails its checks (nothing of that
+    one is kept)."""
+    blocks, nbytes, rejected, failed = [], 0, False, False
+    started = time.perf_counter()
+    for name in names:
+        try:
+            data = remote.fetch(name)
+        except RemoteUnavailable:
+            failed = True
+            break
+        if data is None:
+            break
+        try:
+            saved = store.adopt_block(name, data)
+        except RejectedFile:
+            rejected = True
+            break
+        except WriteFailed:  # the local disk could not keep it: as good as not fetched
+            failed = True
+            break
+        blocks.append(done.SavedBlock(name, saved.nbytes, saved.file_bytes, 0.0, saved.trimmable))
+        nbytes += len(data)
+    seconds = time.perf_counter() - started if nbytes else None
+    return done.RemoteFetched(tuple(names), tuple(blocks), nbytes, seconds, rejected, failed)
+
+
+def offer_block(remote: RemoteStore, store: Any, name: BlockName) -> done.RemoteOffered | None:
+    """Offer saved block ``name``'s file to ``remote`` (None: its file is gone, nothing to offer)."""
+    data = store.saved_block_bytes(name)
+    if data is None:
+        return None
+    try:
+        return done.RemoteOffered(name, remote.offer(name, data))
+    except RemoteUnavailable:
+        return done.RemoteOffered(name, None)

@@ -408,11 +408,12 @@ class DiskStore:
         except OSError:
             return None
 
-    def adopt_block(self, name: BlockName, data: bytes) -> int:
+    def adopt_block(self, name: BlockName, data: bytes) -> SavedFile:
         """Take the bytes of a block file from elsewhere (another server's, through a shared tier) as
         this store's file of ``name``, once verified as a restore verifies a file, whatever ``verify``
         says: its header (hash, format, model identity, the very block ``name`` names) and every tensor
-        against its hash. Its size in bytes. :class:`RejectedFile` where it cannot be trusted, and
+        against its hash. What its header says (``nbytes``, ``trimmable``, ``file_bytes``).
+        :class:`RejectedFile` where it cannot be trusted, and
         :class:`WriteFailed` where it cannot be written: nothing is kept either way."""
         path = self.block_path(name)
         temp = path.with_name(f".{path.stem}.adopt-{os.getpid()}-{threading.get_ident()}{SUFFIX}")
@@ -434,7 +435,7 @@ class DiskStore:
         except BaseException:
             remove_quietly(temp)
             raise
-        return len(data)
+        return described
 
     def delete_prefix(self, key: DiskKey | BlockName | SnapshotName) -> None:
         remove_quietly(self._path_of(key))

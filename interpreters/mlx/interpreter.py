@@ -138,9 +138,11 @@ class MlxInterpreter(HeldState):
     name = "the MLX interpreter"
 
     def __init__(self, model: Any, *, store: DiskStore | None = None, background_writes: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, remote: Any = None):
         self.model = model
         self.store = store
+        #: The shared tier (:class:`~kvstate.interpreters.fleet.remote_store.RemoteStore`), or None.
+        self.remote = remote
         self._clock = clock
         super().__init__()
         background = background_writes and store is not None
@@ -150,6 +152,8 @@ class MlxInterpreter(HeldState):
         #: (:meth:`poll`), where MLX runs.
         self._reader = _Worker("kvstate-reader") if background else None
         self._landed: list[_PartsRead] = []  # reads ahead done, not yet taken by the thread that asked
+        #: Fetches from and offers to the shared tier, in order, off every caller's thread.
+        self._remote_worker = _Worker("kvstate-remote") if background and remote is not None else None
 
     @property
     def now(self) -> float:
@@ -231,8 +235,10 @@ class MlxInterpreter(HeldState):
         return Scanned(tuple(records), tuple(checkpoints), rejected, tuple(blocks))
 
     def poll(self) -> list:
-        """Completions of writes finished since the last poll."""
+        """Completions of writes (and fetches from the shared tier) finished since the last poll."""
         out = self._writer.poll() if self._writer is not None else []
+        if self._remote_worker is not None:
+            out.extend(self._remote_worker.poll())
         if self._reader is not None:
             # A read ahead is taken (its arrays built) only on the thread that asked for it: MLX work
             # of one thread must not run on another's (a scrape's poll leaves it for a later one).
@@ -260,6 +266,9 @@ class MlxInterpreter(HeldState):
         if self._reader is not None:
             self._reader.stop()
             self._reader = None
+        if self._remote_worker is not None:
+            self._remote_worker.stop()
+            self._remote_worker = None
         if self._writer is not None:
             self._writer.stop()
             self._writer = None
@@ -480,15 +489,38 @@ class MlxInterpreter(HeldState):
 
     def _sync(self, e: fx.Sync) -> list:
         finished = self._writer.drain() if self._writer is not None else []
+        if self._remote_worker is not None and not e.pressure:  # a flush, a close: offers land too
+            finished += self._remote_worker.drain()
         return finished + [done.Synced(e.pressure)]
+
+    def _fetch_remote(self, e: fx.FetchRemote) -> list:
+        from kvstate.interpreters.fleet.remote_store import fetch_chain
+        return self._remotely(lambda: fetch_chain(self._shared(), self._store(), e.names))
+
+    def _offer_remote(self, e: fx.OfferRemote) -> list:
+        from kvstate.interpreters.fleet.remote_store import offer_block
+        return self._remotely(lambda: offer_block(self._shared(), self._store(), e.name))
+
+    def _shared(self) -> Any:
+        if self.remote is None:
+            raise InterpreterError("a shared-tier effect reached an interpreter without a remote store")
+        return self.remote
+
+    def _remotely(self, job: Callable[[], Any]) -> list:
+        """Run a shared tier's ``job`` on its worker (its completion lands at a poll), or here."""
+        if self._remote_worker is not None:
+            self._remote_worker.submit(job)
+            return []
+        completion = job()
+        return [completion] if completion is not None else []
 
 
 def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None, disk_dir: str | None = None,
               disk_bytes: int | None = None, name: str = "model", config: dict | None = None, tokenizer: Any = None,
               spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
               policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
-              weights_dir: str | None = None, disk_loader: str | None = None,
-              **options: Any) -> tuple[ServiceConfig, "MlxInterpreter"]:
+              weights_dir: str | None = None, disk_loader: str | None = None, remote: Any = None,
+              remote_endpoint: str | None = None, **options: Any) -> tuple[ServiceConfig, "MlxInterpreter"]:
     """The config and the MLX interpreter of a service for a loaded mlx-lm ``model``
     (``KvCacheService.for_mlx`` builds the service from them).
 
@@ -506,7 +538,11 @@ def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
     hashing every loaded weight at every start. ``disk_loader`` says how
     restores read a file (``"buffer"``: into a reused host buffer, then copied;
     ``"mlx"``: MLX's own safetensors loader; None: by device, see
-    :func:`~kvstate.interpreters.mlx.disk_store.default_loader`).
+    :func:`~kvstate.interpreters.mlx.disk_store.default_loader`). ``remote``,
+    ``s3://BUCKET[/PREFIX]`` (at ``remote_endpoint``, an S3-compatible
+    store's URL; None: AWS's) or a built
+    :class:`~kvstate.interpreters.fleet.remote_store.RemoteStore`, adds the
+    tier a fleet shares (:mod:`~kvstate.core.remote`; needs the disk tier).
     """
     spec = spec or spec_from_model(model, name)
     fingerprint = weights_fingerprint(weights_dir) if weights_dir is not None else model_fingerprint(model, config)
@@ -524,12 +560,18 @@ def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
     elif disk_bytes is not None:
         raise InvalidConfig("disk_bytes needs disk_dir: where saved state lives")
     try:
+        if remote is not None:
+            options["remote_tier"] = True
+            if isinstance(remote, str):
+                from kvstate.interpreters.fleet.remote_store import RemoteStore
+                remote = RemoteStore(remote, identity.encoded(), endpoint_url=remote_endpoint, clock=time.monotonic)
         service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
                                        disk_capacity_bytes=disk_bytes, policy=policy, identity=identity.encoded(),
                                        **options)
         if store is not None:
             store.claim_writer()
-        return service_config, MlxInterpreter(model, store=store, background_writes=background_writes)
+        return service_config, MlxInterpreter(model, store=store, background_writes=background_writes,
+                                              remote=remote)
     except BaseException:
         if store is not None:
             store.close()  # a start that failed holds nothing: not the directory, not the root's lock

@@ -52,6 +52,9 @@ MIN_SHARED_TOKENS = 64
 #: The longest a request waits for its saved blocks read ahead into RAM before it joins the batch
 #: anyway (and its acquire reads what is still missing itself).
 READ_AHEAD_WAIT_S = 2.0
+#: The longest a request waits for its blocks fetched from the shared tier before it joins the batch
+#: anyway (and computes what has not landed).
+REMOTE_WAIT_S = 10.0
 #: How often an idle server looks whether the reads it waits for have landed.
 READ_POLL_S = 0.002
 
@@ -97,6 +100,8 @@ class BatchAdmission:
         #: replaces, and the present one is not measured there yet (``bench/README.md``).
         self.reads_ahead = (read_ahead and cache.service.config.block_tokens is not None
                             and cache.service.config.has_disk)
+        #: Whether an arriving request's blocks this server lacks are fetched from the shared tier.
+        self.fetches_remote = cache.service.config.remote_tier
         self.min_shared_tokens = min_shared_tokens
         self._waiting: deque[Arrival] = deque()   # in arrival order: waiting for room, or for a shared prefix
         self._computing: dict[int, Computing] = {}  # batch uid -> its row while in prefill
@@ -154,7 +159,14 @@ class BatchAdmission:
     def _read_ahead(self, arrival: Arrival) -> None:
         """Start reading the request's saved blocks into RAM now, off the generation thread, so its row
         joins the batch with its state in memory (it waits for them at most ``READ_AHEAD_WAIT_S``)."""
-        if not self.reads_ahead or arrival.tokenized is None:
+        if arrival.tokenized is None:
+            return
+        if self.fetches_remote and self.service.remote_lookup(arrival.prompt, arrival.namespace):
+            # Its blocks come from the shared tier onto the disk first, off this thread, whether the
+            # batch is busy or not: a restore then reads them.
+            arrival.read_deadline = time.monotonic() + REMOTE_WAIT_S
+            return
+        if not self.reads_ahead:
             return
         if not self._rows and not self._waiting:
             return  # it is admitted now, with nothing to overlap a read with: its own restore is sooner

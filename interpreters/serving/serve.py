@@ -161,7 +161,7 @@ _GAUGES = frozenset({"entries", "bytes", "capacity_bytes", "saved_entries", "sav
                      "disk_bytes", "pending_writes", "pending_write_bytes", "checkpoints", "checkpoint_bytes",
                      "live_requests", "projected_bytes", "measured_bytes", "budget_bytes", "rejected_held_files",
                      "rejected_held_bytes", "read_bytes_per_s", "prefill_tokens_per_s", "pinned_entries",
-                     "pinned_bytes"})
+                     "pinned_bytes", "remote_bytes_per_s"})
 
 
 class ReportCollector:
@@ -424,6 +424,18 @@ def kvstate_options() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-keep", type=float, default=CHECKPOINT_KEEP_S, metavar="SECONDS",
                         help="delete the checkpoint of a generation that stopped unfinished once nothing has "
                              f"resumed it for this long (a client that never retried; default {CHECKPOINT_KEEP_S:g})")
+    parser.add_argument("--remote", default=None, metavar="s3://BUCKET[/PREFIX]",
+                        help="a saved-state tier the servers of a fleet share, on an S3-compatible object store: "
+                             "blocks this server writes to disk are written there once, and a request's blocks "
+                             "this server lacks are fetched from there (verified) where that beats prefilling "
+                             "them; credentials from the usual AWS variables (needs --disk-dir and the fleet "
+                             "extra)")
+    parser.add_argument("--remote-endpoint", default=None, metavar="URL",
+                        help="the object store's URL, for a store that is not AWS's (SeaweedFS, MinIO, Garage)")
+    parser.add_argument("--salt-key-file", default=None, metavar="PATH",
+                        help="the key tenants' namespaces are hashed with (made there if missing): give the "
+                             "servers that share --remote one key, so a tenant's state is found on each "
+                             "(default: one under --disk-dir)")
     parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                         help="publish which blocks RAM and disk hold, as vLLM's KV events over ZMQ, for a "
                              "fleet's router: bound where the endpoint has a wildcard (tcp://*:5557), else "
@@ -488,7 +500,7 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         block_tokens=options.block_tokens or None, pin_share=options.pin_share,
         max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every,
         checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None,
-        block_events=options.kv_events is not None)
+        block_events=options.kv_events is not None, remote=options.remote, remote_endpoint=options.remote_endpoint)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     cache.template_tokens = chat_template_prefix(tokenizer)
     if options.disk_dir is not None:
@@ -550,6 +562,9 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
             logging.info("kvstate: freed host memory is kept for reuse (restores fault in no fresh pages)")
         cache = served["cache"] = build_prompt_cache(model_provider, options)
         logging.info("kvstate: %s", scan_line(cache.service.scan_result))
+        if options.remote is not None:
+            logging.info("kvstate: shared tier %s%s", options.remote,
+                         f" at {options.remote_endpoint}" if options.remote_endpoint else "")
         wait = options.shared_prefix_wait if options.shared_prefix_wait is not None else default_shared_prefix_wait()
         # Chunk snapshots are for models whose layers cannot all be cut: blocks serve any prefix of the others.
         snapshot_every = None if mlx_blocks.blockable(cache.service.interpreter.fresh()) else options.snapshot_every
@@ -561,7 +576,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
-        handler = handler_with_metrics(server, cache.service, admission, tenant_salt_key(options.disk_dir))
+        handler = handler_with_metrics(server, cache.service, admission,
+                                       tenant_salt_key(options.disk_dir, options.salt_key_file))
         server._run_http_server(host, port, generator, handler_class=handler)
 
     def stop(signum, frame):
@@ -627,7 +643,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"kvstate serve: --block-tokens is a number of tokens, 0 (whole prompts) or more; "
               f"got {options.block_tokens}", file=sys.stderr)
         return 2
-    refusal = kv_events_refusal(options)
+    refusal = kv_events_refusal(options) or remote_refusal(options)
     if refusal is not None:
         print(f"kvstate serve: {refusal}", file=sys.stderr)
         return 2
@@ -688,6 +704,26 @@ def kv_events_refusal(options: argparse.Namespace) -> str | None:
             return f"{flag} {endpoint}: not a ZMQ endpoint (tcp://HOST:PORT, tcp://*:PORT or ipc://PATH)"
     if importlib.util.find_spec("zmq") is None or importlib.util.find_spec("msgspec") is None:
         return "--kv-events needs pyzmq and msgspec: pip install 'kvstate[fleet]'"
+    return None
+
+
+def remote_refusal(options: argparse.Namespace) -> str | None:
+    """Why the shared-tier flags cannot work (None: they can, or are not given)."""
+    if options.remote is None:
+        if options.remote_endpoint is not None:
+            return "--remote-endpoint needs --remote s3://BUCKET[/PREFIX]: the tier it serves"
+        return None
+    from kvstate.interpreters.fleet.remote_store import BadRemoteUrl, parse_remote
+    try:
+        parse_remote(options.remote)
+    except BadRemoteUrl as error:
+        return f"--remote {error}"
+    if options.disk_dir is None:
+        return "--remote needs --disk-dir: the disk keeps what is fetched from the shared tier"
+    if options.block_tokens == 0:
+        return "--remote shares blocks: it needs state in blocks (drop --block-tokens 0)"
+    if importlib.util.find_spec("boto3") is None:
+        return "--remote needs boto3: pip install 'kvstate[fleet]'"
     return None
 
 

@@ -35,9 +35,13 @@ NAMESPACE_ATTRIBUTE = "kvstate_namespace"
 SALT_KEY_FILE = ".kvstate-salt-key"
 
 
-def salt_key(disk_dir: str | os.PathLike | None) -> bytes:
-    """The deployment's salt key: kept under the disk tier's root, so namespaces on disk stay the same
-    across restarts; a key of this process alone without a disk tier (nothing outlives it)."""
+def salt_key(disk_dir: str | os.PathLike | None, key_file: str | os.PathLike | None = None) -> bytes:
+    """The deployment's salt key: ``key_file`` where given (servers that share a tier share it, so a
+    tenant's namespace is the same on each), else kept under the disk tier's root, so namespaces on
+    disk stay the same across restarts; a key of this process alone without either (nothing outlives
+    it)."""
+    if key_file is not None:
+        return deployment_key(Path(key_file), "salt key")
     if disk_dir is None:
         return os.urandom(KEY_BYTES)
     return deployment_key(Path(disk_dir) / SALT_KEY_FILE, "salt key")

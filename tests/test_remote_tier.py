@@ -1,0 +1,203 @@
+"""The shared tier, model-checked on the simulator: two servers, each with its own disk, share one
+object store. Conversations move between them at random; the store goes down and comes back; its
+objects rot. Checked after every step against a naive reference (the prompts each server was given,
+and the blocks any server wrote): every reuse is of what was published; a block is on the store only
+once a server wrote it to disk, exactly as written; what a server fetched and keeps is what the store
+held, never a rotten object; a fetch that lands leaves nothing in flight; the disk's charge is its
+files'."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from kvstate import KvCacheService
+from kvstate.core.request import Request
+from kvstate.core.replies import Source
+from kvstate.effects.effects import BlockName
+from kvstate.interpreters.simulator import SimDisk, SimRemote
+
+BLOCK = 4
+NAMESPACE = "n"
+#: A few conversations: each a system prompt and turns, so prompts share prefixes across servers.
+BASES = [tuple(range(10, 22)), tuple(range(10, 18)) + (90, 91, 92, 93), tuple(range(50, 59))]
+
+
+class FleetMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.remote = SimRemote()
+        self.disks = [SimDisk(), SimDisk()]
+        self.published: set[tuple[int, ...]] = set()   # every prompt any server kept
+        self.written: dict[BlockName, tuple[int, ...]] = {}  # every full block a server wrote to disk
+        self.servers: list[KvCacheService] = []
+
+    def server(self, at: int) -> KvCacheService:
+        return KvCacheService.simulated("llama-3.1-8b", ram_bytes=64 * 131072, disk_bytes=96 * 131072,
+                                        block_tokens=BLOCK, interpreter_options={"remote": self.remote,
+                                                                                "disk": self.disks[at]})
+
+    @initialize()
+    def start(self):
+        self.servers = [self.server(0), self.server(1)]
+
+    def teardown(self):
+        for service in self.servers:
+            service.close()
+
+    @rule(at=st.integers(0, 1), base=st.integers(0, len(BASES) - 1), tail=st.lists(st.integers(0, 3), max_size=9),
+          fetch=st.booleans())
+    def a_turn_served_on_one_server(self, at, base, tail, fetch):
+        service = self.servers[at]
+        prompt = BASES[base] + tuple(tail)
+        if fetch:
+            if service.remote_lookup(prompt, NAMESPACE):
+                service.collect()  # the simulator's fetch has landed by now
+                assert not service.reading_ahead(prompt, NAMESPACE)
+        request = Request(prompt, 4)
+        service.admit(request, NAMESPACE)
+        state = service.acquire(request, NAMESPACE)
+        reused = state.reused_tokens
+        assert state.caches.tokens == prompt[:reused]  # reuse is of what was published, never more
+        assert reused == 0 or any(p[:reused] == prompt[:reused] for p in self.published)
+        caches = service.interpreter.prefill(state.caches, prompt[reused:])
+        service.publish(request, NAMESPACE, prompt, caches)
+        service.release(request)
+        self.published.add(prompt)
+
+    @rule(at=st.integers(0, 1))
+    def writes_land(self, at):
+        disk = self.disks[at]
+        self.servers[at].flush()
+        for name, file in disk.files.items():
+            if isinstance(name, BlockName) and len(name.tokens) == BLOCK:
+                self.written.setdefault(name, file.content)
+
+    @rule(down=st.booleans())
+    def the_store_goes_down_or_comes_back(self, down):
+        self.remote.down = down
+
+    @precondition(lambda self: self.remote.objects)
+    @rule(data=st.data())
+    def an_object_rots(self, data):
+        key = data.draw(st.sampled_from(sorted(self.remote.objects, key=lambda k: (k[1].start, k[1].key))))
+        self.remote.corrupt(*key)
+
+    @rule(at=st.integers(0, 1))
+    def a_server_restarts(self, at):
+        self.servers[at].close()
+        self.servers[at] = self.server(at)
+
+    @invariant()
+    def the_store_holds_blocks_as_a_server_wrote_them(self):
+        for (_, name), stored in self.remote.objects.items():
+            assert len(name.tokens) == BLOCK  # full blocks only: what a fetch reads
+            if not stored.corrupt:
+                assert stored.content == self.written.get(name, stored.content)
+                assert stored.content == name.tokens  # a block's content: its own tokens
+
+    @invariant()
+    def what_a_server_keeps_from_the_store_is_sound_and_nothing_is_in_flight(self):
+        for at, service in enumerate(self.servers):
+            state = service.state
+            assert not state.remote_reading
+            for name, file in self.disks[at].files.items():
+                assert not file.corrupt, "a rotten object was kept"
+                if isinstance(name, BlockName):
+                    assert file.content == name.tokens
+            assert state.disk.bytes == sum(f.file_bytes for f in self.disks[at].files.values()) + sum(
+                c.file_bytes for c in self.disks[at].checkpoints.values())
+
+    @invariant()
+    def counts_add_up(self):
+        reports = [service.report() for service in self.servers]
+        for report in reports:
+            assert report.remote_blocks_read <= report.remote_fetches * 32
+
+
+def test_fleet_machine():
+    run_state_machine_as_test(FleetMachine, settings=settings(
+        max_examples=150, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def fleet(remote=None):
+    remote = remote or SimRemote()
+    return remote, [KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, disk_bytes=8 << 30, block_tokens=BLOCK,
+                                             interpreter_options={"remote": remote, "disk": SimDisk()})
+                    for _ in range(2)]
+
+
+def turn(service, prompt):
+    request = Request(prompt, 4)
+    service.admit(request, NAMESPACE)
+    state = service.acquire(request, NAMESPACE)
+    service.publish(request, NAMESPACE, prompt, service.interpreter.prefill(state.caches, prompt[state.reused_tokens:]))
+    service.release(request)
+    return state
+
+
+def test_a_conversation_moved_to_another_server_continues_from_the_store():
+    remote, (a, b) = fleet()
+    prompt = tuple(range(30))
+    turn(a, prompt)
+    a.flush()
+    assert a.report().remote_writes == len(prompt) // BLOCK and len(remote.objects) == len(prompt) // BLOCK
+    follow = prompt + (7, 7, 7)
+    assert b.remote_lookup(follow, NAMESPACE)
+    b.collect()
+    state = turn(b, follow)
+    assert state.source is Source.DISK and state.reused_tokens == len(prompt) // BLOCK * BLOCK
+    report = b.report()
+    assert report.remote_fetches == 1 and report.remote_blocks_read == len(prompt) // BLOCK
+    b.flush()
+    # What it fetched is not offered back: only the full block its turn added.
+    assert b.report().remote_writes == len(follow) // BLOCK - len(prompt) // BLOCK == 1
+
+
+def test_the_first_server_writes_a_block_and_the_second_finds_it_there():
+    remote, (a, b) = fleet()
+    turn(a, tuple(range(8)))
+    turn(b, tuple(range(8)))  # the same blocks, computed on both
+    a.flush()
+    b.flush()
+    assert (a.report().remote_writes, b.report().remote_writes) == (2, 0)
+    assert b.report().remote_already_held == 2 and len(remote.objects) == 2
+
+
+def test_a_rotten_object_is_rejected_counted_and_the_request_prefilled():
+    remote, (a, b) = fleet()
+    turn(a, tuple(range(12)))
+    a.flush()
+    second = sorted(remote.objects, key=lambda k: k[1].start)[1]
+    remote.corrupt(*second)
+    assert b.remote_lookup(tuple(range(13)), NAMESPACE)
+    b.collect()
+    assert b.report().remote_rejected == 1 and second[1] not in b.interpreter.disk.files  # nothing of it kept
+    state = turn(b, tuple(range(13)))
+    assert state.reused_tokens == BLOCK  # the block before the rotten one, and nothing after it
+
+
+def test_a_store_that_is_down_changes_no_answer():
+    remote, (a, b) = fleet()
+    remote.down = True
+    turn(a, tuple(range(12)))
+    a.flush()  # its offers fail: counted
+    assert a.report().remote_failures == 3 and not remote.objects
+    assert b.remote_lookup(tuple(range(12)), NAMESPACE)
+    b.collect()
+    assert b.report().remote_failures == 1 and not b.state.remote_reading
+    state = turn(b, tuple(range(12)))
+    assert state.reused_tokens == 0 and state.caches.tokens == ()  # served: prefilled from its own tiers
+
+
+def test_a_fetch_that_would_not_beat_prefill_is_not_made():
+    remote, (a, b) = fleet()
+    turn(a, tuple(range(12)))
+    a.flush()
+    b.remote_lookup(tuple(range(4)) + (9,), NAMESPACE)  # one block, to measure the store's pace
+    b.collect()
+    b.measure_prefill(1_000_000, 1.0)  # a prefill far faster than any fetch
+    assert not b.remote_lookup(tuple(range(12)), NAMESPACE)
+    assert b.report().remote_passed_up == 1
