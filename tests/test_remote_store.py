@@ -106,7 +106,7 @@ def test_a_tampered_or_foreign_object_is_rejected_and_nothing_of_it_kept(llama, 
     second.close()
 
 
-def test_a_store_that_is_down_fails_fast_and_is_left_alone_for_a_while(tmp_path):
+def test_a_store_that_is_down_fails_fast_and_is_left_alone_for_a_while(tmp_path, caplog):
     clock = Clock()
     remote = RemoteStore("s3://kvstate-fleet/x", "identity", endpoint_url="http://127.0.0.1:9", clock=clock,
                          timeout_s=1.0, back_off_s=30.0)
@@ -122,6 +122,8 @@ def test_a_store_that_is_down_fails_fast_and_is_left_alone_for_a_while(tmp_path)
     with pytest.raises(RemoteUnavailable):
         remote.offer(name, b"x")
     assert remote.failures == calls + 1
+    outages = [r for r in caplog.records if "shared tier" in r.getMessage()]
+    assert len(outages) == 1 and "failed" in outages[0].getMessage()  # an outage is logged once
 
 
 def test_remote_addresses_are_s3_urls():

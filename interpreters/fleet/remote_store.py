@@ -18,6 +18,7 @@ tiers meanwhile. Credentials come from the usual AWS variables (or any source bo
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any, Callable
 from urllib.parse import urlparse
@@ -71,6 +72,8 @@ class RemoteStore:
         #: What went wrong last (for the log), and how often calls failed.
         self.last_failure: str | None = None
         self.failures = 0
+        #: Whether the last call failed (an outage in progress).
+        self.down = False
 
     def object_key(self, name: BlockName) -> str:
         return f"{self.root}/{name.namespace}/{name.key.hex()}"
@@ -118,12 +121,22 @@ class RemoteStore:
         if self.clock() < self._down_until:
             raise RemoteUnavailable(f"backing off after: {self.last_failure}")
         try:
-            return call()
+            answer = call()
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as error:
             self.failures += 1
+            if not self.down:  # an outage is logged once, when it starts
+                logging.warning("kvstate: the shared tier s3://%s/%s failed (%s: %s): requests are served from this "
+                                "server's own tiers; it is asked again in %g s, and every failure is counted in "
+                                "kvstate_remote_failures_total", self.bucket, self.root, type(error).__name__, error,
+                                self.back_off_s)
+            self.down = True
             self.last_failure = f"{type(error).__name__}: {error}"
             self._down_until = self.clock() + self.back_off_s
             raise RemoteUnavailable(self.last_failure) from None
+        if self.down:
+            logging.warning("kvstate: the shared tier s3://%s/%s answers again", self.bucket, self.root)
+            self.down = False
+        return answer
 
 
 def fetch_chain(remote: RemoteStore, store: Any, names: tuple[BlockName, ...]) -> done.RemoteFetched:

@@ -67,7 +67,7 @@ class DiskNotices:
     something is said."""
 
     #: Each report counter watched, and what its first increase means.
-    WATCHED = ("failed_writes", "dropped_writes", "spills_over_rate", "rejected_files")
+    WATCHED = ("failed_writes", "dropped_writes", "spills_over_rate", "rejected_files", "remote_rejected")
 
     def __init__(self, service: Any, directory: Path, disk_bytes: int, write_cap: int | None):
         self.service = service
@@ -110,6 +110,10 @@ class DiskNotices:
     def _spills_over_rate(self, report: Any) -> str:
         cap = size_text(self.write_cap) if self.write_cap is not None else "the cap"
         return f"a spill was not written: --disk-write-bytes-per-hour {cap} is spent for now"
+
+    def _remote_rejected(self, report: Any) -> str:
+        return ("an object of the shared tier failed its checks (damaged, or not the block its name says) and was "
+                "rejected: nothing of it was kept or restored, and the request computed what it lacked")
 
     def _rejected_files(self, report: Any) -> str:
         return (f"{report.rejected_files} saved files were rejected (damaged, or of another model) and moved aside "
