@@ -6,12 +6,13 @@ block is a saved block like any other from then on (it enters the disk tier as a
 only the shared tier's reads and writes are decided here:
 
 - **what to fetch** (:func:`lookup`): when a request arrives, the full blocks of its prompt past the
-  longest chain this server holds in any tier, one chain, in order; the interpreter reads them until
-  the store lacks one. Only where the read pays: fetching the bytes and reading them back from disk
+  longest chain this server holds in any tier, one chain, in order, and then the longest partial
+  block after them that the prompt goes on with (the end of a conversation another server kept); the
+  interpreter reads them until the store lacks one. Only where the read pays: fetching the bytes and reading them back from disk
   must beat prefilling their tokens, by the paces measured (:mod:`~kvstate.core.pace`; fetches are
   timed as they land). A chain already being fetched is not asked for twice.
 - **what to offer** (``tiers.spill_done``): every block this server writes to its disk, once its write is
-  durable; the store keeps the first server's object of a block (a conditional write), so a block
+  durable, a partial last block too (the next turn of a conversation moved to another server reads it); the store keeps the first server's object of a block (a conditional write), so a block
   is written once across the fleet. Blocks fetched from there are not offered back.
 
 Every failure of the store is counted and changes nothing else: requests go on from the local
@@ -34,37 +35,57 @@ from kvstate.effects import effects as fx
 
 
 def lookup(state: ServiceState, e: ev.RemoteLookup) -> Step:
-    """Start fetching the prompt's blocks this server lacks from the shared tier, where that pays;
-    whether a fetch of them is in flight now."""
+    """Start fetching the prompt's blocks this server lacks from the shared tier, where that pays: its
+    full blocks past the longest chain held in any tier, then the longest partial block after them
+    whose tokens the prompt goes on with. Whether a fetch of them is in flight now."""
     config = state.config
     if not config.remote_tier:
         return Step(state, (), False)
     ensure_open(state, "remote_lookup")
     namespace = check_namespace(e.namespace)
     prompt = as_tokens(e.prompt)
-    keys = chain(namespace, packed(prompt), config.block_tokens)
+    size = config.block_tokens
+    keys = chain(namespace, packed(prompt), size)
     held = 0
     while held < len(keys) and (namespace, keys[held]) in state.blocks:
         held += 1
     missing = keys[held:]
-    if not missing:
-        return Step(state, (), False)
-    if any((namespace, key) in state.remote_reading for key in missing):
+    full_end = len(keys) * size
+    reusable = tuple(prompt[:len(prompt) - 1])  # the last token is the request's own: never reused
+    tail = reusable[full_end:]
+    parent = keys[-1] if keys else namespace_key(namespace)
+    if not missing and (not tail or held_length(state, namespace, prompt) > full_end):
+        return Step(state, (), False)  # every full block held, and what follows them too (or nothing does)
+    # A partial block alone is marked by what it follows; full blocks by their keys.
+    reading = {(namespace, key) for key in missing} if missing else {tail_mark(namespace, parent)}
+    if reading & state.remote_reading:
         return Step(state, (), True)
-    tokens = len(missing) * config.block_tokens
+    tokens = len(missing) * size + len(tail)
     d = Draft(state)
     if not fetch_pays(state, config.model.bytes_for(tokens), tokens):
         d.count("remote_passed_up")
         return d.step(False)
-    size, names = config.block_tokens, []
-    parent = keys[held - 1] if held else namespace_key(namespace)
+    names, above = [], keys[held - 1] if held else namespace_key(namespace)
     for at, key in enumerate(missing, start=held):
-        names.append(fx.BlockName(namespace, key, parent, at * size, tuple(prompt[at * size:(at + 1) * size])))
-        parent = key
-    d.remote_reading = d.remote_reading | {(namespace, key) for key in missing}
-    d.out.append(fx.FetchRemote(tuple(names)))
+        names.append(fx.BlockName(namespace, key, above, at * size, tuple(prompt[at * size:(at + 1) * size])))
+        above = key
+    d.remote_reading = d.remote_reading | reading
+    after = keys[held - 1] if held else namespace_key(namespace)
+    d.out.append(fx.FetchRemote(tuple(names), namespace, reusable, after, held * size))
     d.count("remote_fetches")
     return d.step(True)
+
+
+def tail_mark(namespace: str, parent: bytes) -> tuple:
+    """What ``remote_reading`` holds while the partial block after block ``parent`` is being fetched."""
+    return ("tail", namespace, parent)
+
+
+def held_length(state: ServiceState, namespace: str, prompt) -> int:
+    """The longest prefix of ``prompt`` RAM or disk can serve."""
+    ram, _ = state.ram.index.longest(namespace, prompt)
+    disk, _ = state.disk.index.longest(namespace, prompt) if state.config.has_disk else (0, None)
+    return max(ram, disk)
 
 
 def fetch_pays(state: ServiceState, nbytes: int, tokens: int) -> bool:
@@ -82,6 +103,8 @@ def fetched(state: ServiceState, e: done.RemoteFetched) -> Step:
     keeps what it has); the fetch's pace and counts are noted."""
     d = Draft(state)
     asked = {(name.namespace, name.key) for name in e.asked}
+    if e.tail is not None:
+        asked.add(tail_mark(*e.tail))
     d.remote_reading = d.remote_reading - asked
     new = []
     for block in e.blocks:

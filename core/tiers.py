@@ -758,8 +758,8 @@ def spill_done(d: Draft, e: done.SpillDone) -> object:
     insert_disk(d, written)
     d.count("spills")
     d.count("bytes_written", written.file_bytes)
-    # Offered to the shared tier, which keeps the first server's copy: full blocks only (what a fetch reads).
-    if d.config.remote_tier and written.is_block and written.length - written.start == d.config.block_tokens:
+    # Offered to the shared tier, which keeps the first server's copy.
+    if d.config.remote_tier and written.is_block:
         d.out.append(fx.OfferRemote(saved_name(d, written)))
     # A block RAM came to extend meanwhile keeps its RAM copy, and so does an entry pinned meanwhile.
     if entry.demote and not written.ram_children and not pinned(d, entry.id):
@@ -959,7 +959,8 @@ def reading_ahead(state: ServiceState, namespace: str, prompt: tuple[int, ...]) 
         return False
     if state.remote_reading:
         keys = chain(namespace, packed(prompt), state.config.block_tokens)
-        if any((namespace, key) in state.remote_reading for key in keys):
+        tail = ("tail", namespace, keys[-1] if keys else namespace_key(namespace))  # core.remote.tail_mark's
+        if tail in state.remote_reading or any((namespace, key) in state.remote_reading for key in keys):
             return True
     length, found = state.disk.index.longest(namespace, prompt)
     if found is None:

@@ -219,6 +219,8 @@ class RemoteFetched(Completion):
     seconds: float | None = None
     rejected: bool = False
     failed: bool = False
+    #: Where the fetch asked for a partial block alone (no ``asked``): its namespace and ``after``.
+    tail: tuple[str, bytes] | None = None
 
 
 @attrs.frozen

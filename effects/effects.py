@@ -212,11 +212,18 @@ class NotifyKept(Effect):
 
 @attrs.frozen
 class FetchRemote(Effect):
-    """Read the blocks ``names`` (one chain, first position first) from the shared tier, stopping at
-    the first it lacks, cannot give or that fails its checks; keep each verified one on disk as a
-    saved block; completes (``RemoteFetched``), possibly later."""
+    """Read the blocks ``names`` (one chain of ``namespace``, first position first, the first after
+    block ``after`` at position ``start``) from the shared tier, stopping at the first it cannot give
+    or that fails its checks; where it lacks one (or has them all), then the longest partial block it
+    holds after the last one read whose tokens ``prompt`` goes on with (a request's prompt less its
+    last token). Each verified block is kept on disk as a saved block; completes (``RemoteFetched``),
+    possibly later."""
 
     names: tuple[BlockName, ...]
+    namespace: str
+    prompt: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    after: bytes = attrs.field(repr=lambda k: k.hex()[:12])
+    start: int
 
 
 @attrs.frozen

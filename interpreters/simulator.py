@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import attrs
 
-from kvstate.core.blocks import saved_chains
+from kvstate.core.blocks import block_key, saved_chains
 from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.state import ServiceConfig
 from kvstate.core.tokens import WIDTH, PackedIds, packed
@@ -170,6 +170,11 @@ class SimRemote:
     down: bool = False
     #: Calls made (fetches of an object, and offers), failed or not.
     calls: int = 0
+
+    def children(self, identity: str, namespace: str, parent: bytes) -> list[tuple[int, bytes]]:
+        """``(tokens, key)`` of every object after block ``parent``, longest first (as a listing finds)."""
+        return sorted(((len(name.tokens), name.key) for who, name in self.objects
+                       if who == identity and name.namespace == namespace and name.parent == parent), reverse=True)
 
     def corrupt(self, identity: str, name: fx.BlockName) -> None:
         """Flip bits in a stored object: a server that fetches it finds it fails its content hash."""
@@ -500,28 +505,52 @@ class SimulatorInterpreter(HeldState):
         return [done.BlocksPrefetched(tuple(read), seconds)]
 
     def _fetch_remote(self, e: fx.FetchRemote) -> list:
-        """Copy the chain's objects to the disk, in order, up to the first the store lacks or that fails
-        its hash (not kept); the store down fails the fetch."""
+        """Copy the chain's objects to the disk, in order, up to the first the store cannot give or that
+        fails its hash (not kept); where it lacks one (or has them all), then the longest partial block
+        after the last one copied that the prompt goes on with. The store down fails the fetch."""
         if self.remote is None:
             raise InterpreterError("a shared-tier effect reached a simulator without a remote")
-        blocks, nbytes, rejected, failed = [], 0, False, False
-        for name in e.names:
+        blocks, trouble = [], {"rejected": False, "failed": False}
+
+        def kept(name: fx.BlockName) -> bool | None:
             self.remote.calls += 1
             if self.remote.down:
-                failed = True
-                break
+                trouble["failed"] = True
+                return None
             stored = self.remote.objects.get((self.identity, name))
             if stored is None:
-                break
+                return False
             if stored.corrupt:
-                rejected = True
-                break
+                trouble["rejected"] = True
+                return None
             file = attrs.evolve(stored, used_at=self.disk.stamp())
             self.disk.files[name] = file
             blocks.append(SavedBlock(name, file.nbytes, file.file_bytes, file.used_at, file.trimmable))
-            nbytes += file.file_bytes
+            return True
+
+        parent, position, outcome = e.after, e.start, False
+        for name in e.names:
+            outcome = kept(name)
+            if not outcome:
+                break
+            parent, position = name.key, position + len(name.tokens)
+        else:
+            outcome = False
+        if outcome is False:
+            size = len(e.names[0].tokens) if e.names else None
+            window = e.prompt[position:position + size - 1] if size else e.prompt[position:]
+            if window and self.remote.down:
+                trouble["failed"] = True
+            elif window:
+                for length, key in self.remote.children(self.identity, e.namespace, parent):
+                    if 0 < length <= len(window) and block_key(parent, packed(window[:length])) == key:
+                        kept(fx.BlockName(e.namespace, key, parent, position, tuple(window[:length])))
+                        break
+        nbytes = sum(block.file_bytes for block in blocks)
         seconds = nbytes / self.cost.remote_bytes_per_second if nbytes else None
-        return [done.RemoteFetched(e.names, tuple(blocks), nbytes, seconds, rejected, failed)]
+        tail = None if e.names else (e.namespace, e.after)
+        return [done.RemoteFetched(e.names, tuple(blocks), nbytes, seconds, trouble["rejected"], trouble["failed"],
+                                   tail)]
 
     def _offer_remote(self, e: fx.OfferRemote) -> list:
         if self.remote is None:

@@ -4,9 +4,11 @@ A block's object is its block file, byte for byte as the disk tier writes it (it
 model identity and the block, and records a hash of every tensor), so a server that reads one
 verifies it as it verifies its own files (:meth:`~kvstate.interpreters.mlx.disk_store.DiskStore.adopt_block`)
 and keeps it in its disk tier: the local disk caches what the remote holds. Objects are
-content-addressed: ``PREFIX/<model>/<namespace>/<block key>``, the model a digest of the store's
-identity, the namespace as the service names it (a tenant's is a keyed hash of its salt, never the
-salt), the block key its chain hash. A block is written once, by whichever server offers it first:
+content-addressed: ``PREFIX/<model>/<namespace>/<parent key>/<tokens>-<block key>``, the model a
+digest of the store's identity, the namespace as the service names it (a tenant's is a keyed hash of
+its salt, never the salt), the parent's and the block's chain hashes and the tokens it holds: so the
+blocks that extend one are listed together, and a server finds the partial block that ends a
+conversation another server kept (:meth:`RemoteStore.children`). A block is written once, by whichever server offers it first:
 the write is conditional (``If-None-Match: *``), and a block already there is not sent again.
 
 The store may be down, slow or answering errors: every call that fails raises
@@ -23,6 +25,8 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from kvstate.core.blocks import block_key
+from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
 from kvstate.effects.effects import BlockName
 from kvstate.interpreters.mlx.file_io import RejectedFile, WriteFailed
@@ -76,7 +80,25 @@ class RemoteStore:
         self.down = False
 
     def object_key(self, name: BlockName) -> str:
-        return f"{self.root}/{name.namespace}/{name.key.hex()}"
+        return f"{self._parent_folder(name.namespace, name.parent)}{len(name.tokens):06d}-{name.key.hex()}"
+
+    def _parent_folder(self, namespace: str, parent: bytes) -> str:
+        return f"{self.root}/{namespace}/{parent.hex()}/"
+
+    def children(self, namespace: str, parent: bytes) -> list[tuple[int, bytes]]:
+        """``(tokens, key)`` of every block the store holds after block ``parent`` (longest first)."""
+        def call():
+            prefix = self._parent_folder(namespace, parent)
+            found = []
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    length, _, key = item["Key"][len(prefix):].partition("-")
+                    try:
+                        found.append((int(length), bytes.fromhex(key)))
+                    except ValueError:
+                        continue  # not an object of ours
+            return sorted(found, reverse=True)
+        return self._called(call)
 
     def fetch(self, name: BlockName) -> bytes | None:
         """The object of block ``name`` (unverified: the caller verifies it), or None where the store
@@ -139,33 +161,68 @@ class RemoteStore:
         return answer
 
 
-def fetch_chain(remote: RemoteStore, store: Any, names: tuple[BlockName, ...]) -> done.RemoteFetched:
-    """Fetch the blocks ``names`` (one chain, in order) into ``store`` (a
+def fetch_chain(remote: RemoteStore, store: Any, effect: Any) -> done.RemoteFetched:
+    """Carry out a ``FetchRemote``: its blocks (one chain, in order) into ``store`` (a
     :class:`~kvstate.interpreters.mlx.disk_store.DiskStore`), each verified before it is kept, up to the
-    first the remote lacks, fails to give, or gives in a form that fails its checks (nothing of that
-    one is kept)."""
-    blocks, nbytes, rejected, failed = [], 0, False, False
+    first the remote cannot give or gives in a form that fails its checks (nothing of that one is
+    kept); where the remote lacks one (or has them all), then the longest partial block after the last
+    one read that the prompt goes on with."""
+    blocks, nbytes, trouble = [], 0, {"rejected": False, "failed": False}
     started = time.perf_counter()
-    for name in names:
+
+    def kept(name: BlockName) -> bool | None:
+        """Whether block ``name`` was fetched and kept; None where the fetch must stop (it failed its
+        checks, or the remote or the disk failed)."""
+        nonlocal nbytes
         try:
             data = remote.fetch(name)
         except RemoteUnavailable:
-            failed = True
-            break
+            trouble["failed"] = True
+            return None
         if data is None:
-            break
+            return False
         try:
             saved = store.adopt_block(name, data)
         except RejectedFile:
-            rejected = True
-            break
+            trouble["rejected"] = True
+            return None
         except WriteFailed:  # the local disk could not keep it: as good as not fetched
-            failed = True
-            break
+            trouble["failed"] = True
+            return None
         blocks.append(done.SavedBlock(name, saved.nbytes, saved.file_bytes, 0.0, saved.trimmable))
         nbytes += len(data)
+        return True
+
+    parent, position, outcome = effect.after, effect.start, False
+    for name in effect.names:
+        outcome = kept(name)
+        if not outcome:
+            break
+        parent, position = name.key, position + len(name.tokens)
+    else:
+        outcome = False  # every block read: the partial one after them, if any
+    if outcome is False:
+        size = len(effect.names[0].tokens) if effect.names else None
+        window = effect.prompt[position:position + size - 1] if size else effect.prompt[position:]
+        try:
+            partial = longest_child(remote, effect.namespace, parent, position, window) if window else None
+        except RemoteUnavailable:
+            trouble["failed"], partial = True, None
+        if partial is not None:
+            kept(partial)
     seconds = time.perf_counter() - started if nbytes else None
-    return done.RemoteFetched(tuple(names), tuple(blocks), nbytes, seconds, rejected, failed)
+    tail = None if effect.names else (effect.namespace, effect.after)
+    return done.RemoteFetched(effect.names, tuple(blocks), nbytes, seconds, trouble["rejected"], trouble["failed"],
+                              tail)
+
+
+def longest_child(remote: Any, namespace: str, parent: bytes, start: int, tail: tuple[int, ...]) -> BlockName | None:
+    """The name of the longest block the store holds after block ``parent`` whose tokens begin ``tail``
+    (its key the chain hash of ``parent`` and those tokens), or None."""
+    for length, key in remote.children(namespace, parent):
+        if 0 < length <= len(tail) and block_key(parent, packed(tail[:length])) == key:
+            return BlockName(namespace, key, parent, start, tuple(tail[:length]))
+    return None
 
 
 def offer_block(remote: RemoteStore, store: Any, name: BlockName) -> done.RemoteOffered | None:

@@ -495,7 +495,7 @@ class MlxInterpreter(HeldState):
 
     def _fetch_remote(self, e: fx.FetchRemote) -> list:
         from kvstate.interpreters.fleet.remote_store import fetch_chain
-        return self._remotely(lambda: fetch_chain(self._shared(), self._store(), e.names))
+        return self._remotely(lambda: fetch_chain(self._shared(), self._store(), e))
 
     def _offer_remote(self, e: fx.OfferRemote) -> list:
         from kvstate.interpreters.fleet.remote_store import offer_block
