@@ -9,7 +9,7 @@ same server is *stayed* (a local hit for both). Every server is warmed up first,
 
 Prints TTFT p50 and p99 of moved and stayed turns on each fleet, the ratios, and what crossed the
 network: bytes fetched from and written to the bucket per token served, and the share of what was
-written that any server read back. Then the break-even bandwidth per geometry: the network speed
+written that any server read back. Then the break-even bandwidth of the geometry run: the network speed
 above which fetching a token's KV beats prefilling it at the prefill pace kvstate measured here
 (the bytes a token's KV takes times tokens prefilled per second). Loopback is not a network: it moves
 gigabytes a second, so the figures here are a floor for a remote hit's cost, not a fleet's.
@@ -120,6 +120,10 @@ def main() -> None:
         kvstate_records = run_fleet(ours, plan, args.user_words, args.max_tokens)
         stock_records = run_fleet(stock, plan, args.user_words, args.max_tokens)
         after = [metrics(server) for server in ours]
+        for server in ours:
+            server.stop()  # a clean stop: what is kept and not yet in the bucket is written there
+        stored = [item["Size"] for page in store.client.get_paginator("list_objects_v2").paginate(
+            Bucket=store.bucket, Prefix="fleet/") for item in page.get("Contents", [])]
     finally:
         for server in servers:
             server.stop()
@@ -135,7 +139,7 @@ def main() -> None:
     tokens = sum(r["tokens"] for r in kvstate_records)
     rows = {**figures(kvstate_records, "kvstate"), **figures(stock_records, "stock"),
             "remote_bytes_read": fetched, "remote_blocks_read": grown("kvstate_remote_blocks_read_total"),
-            "remote_blocks_written": written, "remote_bytes_written": written * 256 * per_token,
+            "remote_blocks_written": written, "bucket_objects": len(stored), "bucket_bytes": sum(stored),
             "remote_failures": grown("kvstate_remote_failures_total"),
             "remote_rejected": grown("kvstate_remote_rejected_total"),
             "cached_moved": sum(r["cached"] for r in kvstate_records if r["moved"]), "same_text": same_text,
@@ -155,9 +159,9 @@ def main() -> None:
         print(f"kvstate moved / kvstate stayed (a fetch against a local hit): "
               f"{rows['kvstate_moved_p50'] / rows['kvstate_stayed_p50']:.2f}x p50")
     print(f"bucket: {rows['remote_blocks_read']:.0f} blocks fetched ({fetched / 1e6:.1f} MB, "
-          f"{fetched / max(tokens, 1) / 1e3:.1f} kB per output token), {written:.0f} written "
-          f"({rows['remote_bytes_written'] / 1e6:.1f} MB of KV); read back: "
-          f"{fetched / max(rows['remote_bytes_written'], 1):.2f} of what was written; {rows['cached_moved']} prompt "
+          f"{fetched / max(tokens, 1) / 1e3:.1f} kB per output token); {len(stored)} objects written "
+          f"({sum(stored) / 1e6:.1f} MB), of which {fetched / max(sum(stored), 1):.2f} was read back; "
+          f"{rows['cached_moved']} prompt "
           f"tokens of moved turns reused; failures {rows['remote_failures']:.0f}, rejected "
           f"{rows['remote_rejected']:.0f}")
     if prefill_rate:

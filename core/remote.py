@@ -7,13 +7,15 @@ only the shared tier's reads and writes are decided here:
 
 - **what to fetch** (:func:`lookup`): when a request arrives, the full blocks of its prompt past the
   longest chain this server holds in any tier, one chain, in order, and then the longest partial
-  block after them that the prompt goes on with (the end of a conversation another server kept); the
-  interpreter reads them until the store lacks one. Only where the read pays: fetching the bytes and reading them back from disk
-  must beat prefilling their tokens, by the paces measured (:mod:`~kvstate.core.pace`; fetches are
-  timed as they land). A chain already being fetched is not asked for twice.
-- **what to offer** (``tiers.spill_done``): every block this server writes to its disk, once its write is
-  durable, a partial last block too (the next turn of a conversation moved to another server reads it); the store keeps the first server's object of a block (a conditional write), so a block
-  is written once across the fleet. Blocks fetched from there are not offered back.
+  block after them that the prompt goes on with (the end of a conversation another server kept);
+  the interpreter reads them until the store lacks one. Only where the read pays: fetching the
+  bytes and reading them back from disk must beat prefilling their tokens, by the paces measured
+  (:mod:`~kvstate.core.pace`; fetches are timed as they land). A chain already being fetched is
+  not asked for twice.
+- **what to offer** (``tiers.spill_done``): every block this server writes to its disk, once its
+  write is durable, a partial last block too (the next turn of a conversation moved to another
+  server reads it); the store keeps the first server's object of a block (a conditional write), so
+  a block is written once across the fleet. Blocks fetched from there are not offered back.
 
 Every failure of the store is counted and changes nothing else: requests go on from the local
 tiers.
