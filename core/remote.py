@@ -46,6 +46,8 @@ def lookup(state: ServiceState, e: ev.RemoteLookup) -> Step:
     ensure_open(state, "remote_lookup")
     namespace = check_namespace(e.namespace)
     prompt = as_tokens(e.prompt)
+    if not config.model.trimmable_at(len(prompt)):
+        return Step(state, (), False)  # its blocks serve nothing without a snapshot, which stays local
     size = config.block_tokens
     keys = chain(namespace, packed(prompt), size)
     held = 0

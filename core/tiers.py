@@ -758,8 +758,9 @@ def spill_done(d: Draft, e: done.SpillDone) -> object:
     insert_disk(d, written)
     d.count("spills")
     d.count("bytes_written", written.file_bytes)
-    # Offered to the shared tier, which keeps the first server's copy.
-    if d.config.remote_tier and written.is_block:
+    # Offered to the shared tier, which keeps the first server's copy (a block that serves only under a
+    # snapshot is not: no other server could use it).
+    if d.config.remote_tier and written.is_block and written.trimmable:
         d.out.append(fx.OfferRemote(saved_name(d, written)))
     # A block RAM came to extend meanwhile keeps its RAM copy, and so does an entry pinned meanwhile.
     if entry.demote and not written.ram_children and not pinned(d, entry.id):

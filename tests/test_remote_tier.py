@@ -216,3 +216,13 @@ def test_a_fetch_that_would_not_beat_prefill_is_not_made():
     b.measure_prefill(1_000_000, 1.0)  # a prefill far faster than any fetch
     assert not b.remote_lookup(tuple(range(12)), NAMESPACE)
     assert b.report().remote_passed_up == 1
+
+
+def test_a_model_whose_layers_cannot_all_be_cut_fetches_nothing():
+    from tests.test_model_check import HYBRID
+    service = KvCacheService.simulated(HYBRID, ram_bytes=1 << 30, disk_bytes=8 << 30, block_tokens=BLOCK,
+                                       interpreter_options={"remote": SimRemote(), "disk": SimDisk()})
+    assert not service.remote_lookup(tuple(range(20)), NAMESPACE)  # its blocks serve only under a snapshot
+    turn(service, tuple(range(20)))
+    service.flush()
+    assert service.report().remote_fetches == service.report().remote_writes == 0  # nor are they offered
