@@ -9,6 +9,10 @@ emitted exactly where a tier's policy is told (an entry enters or leaves it), so
 the tier holds, not what was asked: a block enters the disk tier once its write is durable, not
 when the write starts.
 
+With a shared tier (:mod:`~kvstate.core.remote`), a block this server learns the tier holds (it
+wrote it, found it there, or fetched it) is told once with the medium ``"remote"``, and never
+removed: no server drops the store's objects.
+
 Only full blocks are told: a partial last block covers fewer tokens than a block, and a router
 hashes whole blocks. Snapshots (the state of layers that cannot be cut) are not blocks.
 :func:`held` answers what the tiers hold now, for an observer that starts watching later (each
@@ -25,6 +29,9 @@ from kvstate.effects import effects as fx
 #: The tiers' names in the events (vLLM's ``medium``).
 RAM = "ram"
 DISK = "disk"
+#: The tier a fleet shares (:mod:`~kvstate.core.remote`): told once a server learns it holds a block
+#: (wrote it, found it there, or fetched it), and never removed (a server never drops its objects).
+REMOTE = "remote"
 
 
 def told(state, entry: Entry) -> bool:
@@ -53,12 +60,23 @@ def removed(d, entry: Entry, medium: str) -> None:
         d.out.append(fx.BlockRemoved(entry.namespace, entry.block, medium))
 
 
+def on_remote(d, name: fx.BlockName) -> None:
+    """This server learnt the shared tier holds block ``name``: told once, where it is a full block."""
+    config = d.config
+    if config.block_events and len(name.tokens) == config.block_tokens and (name.namespace, name.key) not in d.remote_held:
+        d.remote_held = d.remote_held.set((name.namespace, name.key), name)
+        d.out.append(fx.BlockStored(name, REMOTE))
+
+
 def held(state: ServiceState) -> tuple[fx.BlockStored, ...]:
-    """What the tiers hold now, as the events that would have told it: RAM's blocks then the disk's,
-    each tier's parents before the blocks that extend them (a pass over every entry)."""
+    """What the tiers hold now, as the events that would have told it: RAM's blocks, the disk's, then
+    those this server learnt the shared tier holds, each tier's parents before the blocks that extend
+    them (a pass over every entry)."""
     out = []
     for medium, residences in ((RAM, IN_RAM), (DISK, ON_DISK)):
         blocks = [e for e in state.entries.values() if e.residence in residences and told(state, e)]
         blocks.sort(key=lambda e: (e.namespace, e.start))  # a parent starts before what extends it
         out.extend(fx.BlockStored(name_of(state, e), medium) for e in blocks)
+    remote = sorted(state.remote_held.values(), key=lambda name: (name.namespace, name.start))
+    out.extend(fx.BlockStored(name, REMOTE) for name in remote)
     return tuple(out)

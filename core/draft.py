@@ -71,6 +71,7 @@ class Draft:
     pace: Any
     phase: Any
     remote_reading: Any
+    remote_held: Any
     close_result: Any
     deferred: Any
     counts: dict[str, int]

@@ -23,7 +23,7 @@ tiers.
 
 from __future__ import annotations
 
-from kvstate.core import events as ev
+from kvstate.core import block_events, events as ev
 from kvstate.core.blocks import chain, namespace_key
 from kvstate.core.checks import ensure_open
 from kvstate.core.draft import Draft, Step
@@ -119,6 +119,8 @@ def fetched(state: ServiceState, e: done.RemoteFetched) -> Step:
             d.out.append(fx.DeleteFile(block.name))
     if new:
         enter_saved_blocks(d, tuple(new))
+    for block in e.blocks:
+        block_events.on_remote(d, block.name)
     remote_measured(d, e.nbytes, e.seconds)
     d.count("remote_blocks_read", len(e.blocks))
     d.count("remote_bytes_read", e.nbytes)
@@ -133,4 +135,5 @@ def offered(state: ServiceState, e: done.RemoteOffered) -> Step:
         d.count("remote_failures")
     else:
         d.count("remote_writes" if e.written else "remote_already_held")
+        block_events.on_remote(d, e.name)
     return d.step(None)

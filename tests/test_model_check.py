@@ -612,7 +612,7 @@ class RouterView:
     ``(namespace, key)``. A block is stored once per tier and removed only once stored."""
 
     def __init__(self) -> None:
-        self.held: dict[str, dict] = {"ram": {}, "disk": {}}
+        self.held: dict[str, dict] = {"ram": {}, "disk": {}, "remote": {}}
 
     def told(self, event) -> None:
         tier = self.held[event.medium]

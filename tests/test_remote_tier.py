@@ -17,6 +17,7 @@ from kvstate.core.request import Request
 from kvstate.core.replies import Source
 from kvstate.effects.effects import BlockName
 from kvstate.interpreters.simulator import SimDisk, SimRemote
+from tests.test_model_check import RouterView
 
 BLOCK = 4
 NAMESPACE = "n"
@@ -32,11 +33,15 @@ class FleetMachine(RuleBasedStateMachine):
         self.published: set[tuple[int, ...]] = set()   # every prompt any server kept
         self.written: dict[BlockName, tuple[int, ...]] = {}  # every full block a server wrote to disk
         self.servers: list[KvCacheService] = []
+        self.routers: list[RouterView | None] = [None, None]
 
     def server(self, at: int) -> KvCacheService:
-        return KvCacheService.simulated("llama-3.1-8b", ram_bytes=64 * 131072, disk_bytes=96 * 131072,
-                                        block_tokens=BLOCK, interpreter_options={"remote": self.remote,
-                                                                                "disk": self.disks[at]})
+        service = KvCacheService.simulated("llama-3.1-8b", ram_bytes=64 * 131072, disk_bytes=96 * 131072,
+                                           block_tokens=BLOCK, block_events=True,
+                                           interpreter_options={"remote": self.remote, "disk": self.disks[at]})
+        self.routers[at] = RouterView()  # what a router learns of this server from its block events
+        service.on_block_events(self.routers[at].told)
+        return service
 
     @initialize()
     def start(self):
@@ -108,6 +113,18 @@ class FleetMachine(RuleBasedStateMachine):
                     assert file.content == name.tokens
             assert state.disk.bytes == sum(f.file_bytes for f in self.disks[at].files.values()) + sum(
                 c.file_bytes for c in self.disks[at].checkpoints.values())
+
+    @invariant()
+    def a_router_sees_each_servers_tiers_and_only_blocks_the_store_holds(self):
+        for at, service in enumerate(self.servers):
+            router, state = self.routers[at], service.state
+            in_ram = {(e.namespace, e.block) for e in (state.entries[i] for i in service.interpreter.ram_entries())
+                      if e.is_block and e.length - e.start == BLOCK}
+            assert router.held["ram"].keys() == in_ram
+            assert router.held["disk"] == {(n.namespace, n.key): n for n in self.disks[at].files
+                                           if isinstance(n, BlockName) and len(n.tokens) == BLOCK}
+            stored = {(name.namespace, name.key): name for _, name in self.remote.objects}
+            assert all(stored.get(key) == name for key, name in router.held["remote"].items())
 
     @invariant()
     def counts_add_up(self):
@@ -226,3 +243,25 @@ def test_a_model_whose_layers_cannot_all_be_cut_fetches_nothing():
     turn(service, tuple(range(20)))
     service.flush()
     assert service.report().remote_fetches == service.report().remote_writes == 0  # nor are they offered
+
+
+def test_a_router_hears_which_blocks_each_server_learnt_the_store_holds():
+    remote = SimRemote()
+    servers = [KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, disk_bytes=8 << 30, block_tokens=BLOCK,
+                                        block_events=True, interpreter_options={"remote": remote, "disk": SimDisk()})
+               for _ in range(2)]
+    routers = [RouterView(), RouterView()]
+    for service, router in zip(servers, routers):
+        service.on_block_events(router.told)
+    a, b = servers
+    prompt = tuple(range(14))
+    turn(a, prompt)
+    a.flush()
+    full = {(name.namespace, name.key) for _, name in remote.objects if len(name.tokens) == BLOCK}
+    assert routers[0].held["remote"].keys() == full and len(full) == 3  # written by it
+    assert b.remote_lookup(prompt + (1,), NAMESPACE)
+    b.collect()
+    assert routers[1].held["remote"].keys() == full  # fetched by it
+    late = RouterView()
+    b.on_block_events(late.told)  # a router that starts watching later is told the same
+    assert late.held["remote"].keys() == full

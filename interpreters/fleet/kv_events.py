@@ -12,7 +12,8 @@ publishes them as vLLM's ``ZmqEventPublisher`` does, so what reads vLLM's events
   lora_name(, extra_keys)]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``;
 - block hashes are 64-bit ints (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``): the last
   8 bytes of kvstate's chain key, big-endian; a namespace's first block has no parent (None);
-- ``medium`` names the tier: ``"ram"`` or ``"disk"``;
+- ``medium`` names the tier: ``"ram"``, ``"disk"``, or ``"remote"`` (the tier the fleet shares: a
+  block this server learnt it holds, never removed, since no server drops the store's objects);
 - a block outside the default namespace (a ``cache_salt``'s: a keyed hash, never the salt) carries
   its namespace as its extra key, as vLLM carries a request's ``cache_salt``, so a router that
   rebuilds hashes from tokens keeps tenants apart;
