@@ -61,10 +61,10 @@ def removed(d, entry: Entry, medium: str) -> None:
 
 
 def on_remote(d, name: fx.BlockName) -> None:
-    """This server learnt the shared tier holds block ``name``: told once, where it is a full block."""
+    """This server learnt the shared tier holds block ``name`` (not known before): told, where it is a
+    full block."""
     config = d.config
-    if config.block_events and len(name.tokens) == config.block_tokens and (name.namespace, name.key) not in d.remote_held:
-        d.remote_held = d.remote_held.set((name.namespace, name.key), name)
+    if config.block_events and len(name.tokens) == config.block_tokens:
         d.out.append(fx.BlockStored(name, REMOTE))
 
 
@@ -77,6 +77,7 @@ def held(state: ServiceState) -> tuple[fx.BlockStored, ...]:
         blocks = [e for e in state.entries.values() if e.residence in residences and told(state, e)]
         blocks.sort(key=lambda e: (e.namespace, e.start))  # a parent starts before what extends it
         out.extend(fx.BlockStored(name_of(state, e), medium) for e in blocks)
-    remote = sorted(state.remote_held.values(), key=lambda name: (name.namespace, name.start))
+    remote = sorted((name for name in state.remote_held.values() if len(name.tokens) == state.config.block_tokens),
+                    key=lambda name: (name.namespace, name.start))
     out.extend(fx.BlockStored(name, REMOTE) for name in remote)
     return tuple(out)

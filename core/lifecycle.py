@@ -23,8 +23,8 @@ from kvstate.core.state import (
     EMPTY, IN_RAM, OBJECTS, Entry, Phase, Residence, ServiceState, check_namespace, content_tag,
 )
 from kvstate.core.tiers import (
-    add_entry, boundary as give_back_one, drop_ram, insert_disk, make_disk_room, over_limits, ram_prefixes,
-    start_spill, tick as clock_tick,
+    add_entry, boundary as give_back_one, drop_ram, insert_disk, make_disk_room, offer_what_the_remote_lacks,
+    over_limits, ram_prefixes, start_spill, tick as clock_tick,
 )
 from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
@@ -134,6 +134,7 @@ def flush(state: ServiceState, e: ev.Flush) -> Step:
         return Step(state, (), flush_result(state))
     d = Draft(state)
     _spill_all(d)
+    offer_what_the_remote_lacks(d)
     d.out.append(fx.Sync())
     return d.step(None)
 
@@ -148,6 +149,7 @@ def close(state: ServiceState, e: ev.Close) -> Step:
     if not state.config.has_disk:
         return _clear(d)
     _spill_all(d)
+    offer_what_the_remote_lacks(d)
     d.out.append(fx.Sync())
     return d.step(None)
 

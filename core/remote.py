@@ -120,7 +120,7 @@ def fetched(state: ServiceState, e: done.RemoteFetched) -> Step:
     if new:
         enter_saved_blocks(d, tuple(new))
     for block in e.blocks:
-        block_events.on_remote(d, block.name)
+        _learnt(d, block.name)
     remote_measured(d, e.nbytes, e.seconds)
     d.count("remote_blocks_read", len(e.blocks))
     d.count("remote_bytes_read", e.nbytes)
@@ -135,5 +135,12 @@ def offered(state: ServiceState, e: done.RemoteOffered) -> Step:
         d.count("remote_failures")
     else:
         d.count("remote_writes" if e.written else "remote_already_held")
-        block_events.on_remote(d, e.name)
+        _learnt(d, e.name)
     return d.step(None)
+
+
+def _learnt(d: Draft, name: fx.BlockName) -> None:
+    """The shared tier holds block ``name``: remembered (a clean stop does not offer it again), and told."""
+    if (name.namespace, name.key) not in d.remote_held:
+        d.remote_held = d.remote_held.set((name.namespace, name.key), name)
+        block_events.on_remote(d, name)

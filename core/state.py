@@ -544,8 +544,9 @@ class ServiceState:
     phase: Phase = Phase.OPEN
     #: (namespace, chain key) of the blocks being fetched from the shared tier (:mod:`~kvstate.core.remote`).
     remote_reading: frozenset = frozenset()
-    #: Where block events are told: (namespace, chain key) -> name of each full block this server
-    #: learnt the shared tier holds (it wrote it, found it there, or fetched it).
+    #: (namespace, chain key) -> name of each block this server learnt the shared tier holds (it wrote
+    #: it, found it there, or fetched it): what a clean stop need not offer again, and what block
+    #: events tell of that tier.
     remote_held: immutables.Map = EMPTY
     #: close()'s verdict once closed; or a publish parked until the writes in flight settle.
     close_result: Any = None

@@ -769,6 +769,17 @@ def spill_done(d: Draft, e: done.SpillDone) -> object:
     return None
 
 
+def offer_what_the_remote_lacks(d: Draft) -> None:
+    """A flush or a clean stop: every saved block the shared tier is not known to hold is offered (a
+    write that failed while it was down, blocks found at start), as the disk is made durable."""
+    if not d.config.remote_tier:
+        return
+    for entry in d.entries.values():
+        if (entry.is_block and entry.trimmable and entry.residence in ON_DISK
+                and (entry.namespace, entry.block) not in d.remote_held):
+            d.out.append(fx.OfferRemote(saved_name(d, entry)))
+
+
 def spill_failed(d: Draft, e: done.SpillFailed) -> object:
     entry = d.entries.get(e.entry)
     if entry is None or entry.residence is not R.SPILLING:

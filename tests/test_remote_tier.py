@@ -215,8 +215,8 @@ def test_a_store_that_is_down_changes_no_answer():
     remote, (a, b) = fleet()
     remote.down = True
     turn(a, tuple(range(12)))
-    a.flush()  # its offers fail: counted
-    assert a.report().remote_failures == 3 and not remote.objects
+    a.flush()  # its offers fail as its writes land, and again at the flush: counted
+    assert a.report().remote_failures == 6 and not remote.objects
     assert b.remote_lookup(tuple(range(12)), NAMESPACE)
     b.collect()
     assert b.report().remote_failures == 1 and not b.state.remote_reading
@@ -265,3 +265,18 @@ def test_a_router_hears_which_blocks_each_server_learnt_the_store_holds():
     late = RouterView()
     b.on_block_events(late.told)  # a router that starts watching later is told the same
     assert late.held["remote"].keys() == full
+
+
+def test_a_flush_or_a_clean_stop_offers_what_the_store_is_not_known_to_hold():
+    remote, (a, _) = fleet()
+    remote.down = True
+    turn(a, tuple(range(12)))  # its offers fail while the store is down
+    remote.down = False
+    a.flush()
+    assert a.report().remote_writes == 3 and len(remote.objects) == 3
+    a.flush()  # known to be there now: nothing offered again
+    assert a.report().remote_writes == 3 and a.report().remote_already_held == 0
+    remote.objects.clear()  # a store that lost them (or a bucket emptied)
+    turn(a, tuple(range(12)) + (1, 1, 1, 1))
+    a.close()  # a clean stop writes what is kept and not there: the new block (the rest are known there)
+    assert len(remote.objects) == 1

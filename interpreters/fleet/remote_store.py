@@ -227,10 +227,12 @@ def longest_child(remote: Any, namespace: str, parent: bytes, start: int, tail: 
 
 def offer_block(remote: RemoteStore, store: Any, name: BlockName) -> done.RemoteOffered | None:
     """Offer saved block ``name``'s file to ``remote`` (None: its file is gone, nothing to offer)."""
-    data = store.saved_block_bytes(name)
-    if data is None:
-        return None
     try:
+        if remote.holds(name):  # asked first: a block already there is not sent again
+            return done.RemoteOffered(name, False)
+        data = store.saved_block_bytes(name)
+        if data is None:
+            return None
         return done.RemoteOffered(name, remote.offer(name, data))
     except RemoteUnavailable:
         return done.RemoteOffered(name, None)
