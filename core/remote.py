@@ -15,7 +15,10 @@ only the shared tier's reads and writes are decided here:
 - **what to offer** (``tiers.spill_done``): every block this server writes to its disk, once its
   write is durable, a partial last block too (the next turn of a conversation moved to another
   server reads it); the store keeps the first server's object of a block (a conditional write), so
-  a block is written once across the fleet. Blocks fetched from there are not offered back.
+  a block is written once across the fleet. Blocks fetched from there are not offered back. A
+  flush or a clean stop offers every saved block the tier is not known to hold
+  (``tiers.offer_what_the_remote_lacks``): writes that failed while it was down, blocks found at
+  start.
 
 Every failure of the store is counted and changes nothing else: requests go on from the local
 tiers.
