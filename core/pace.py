@@ -49,20 +49,22 @@ def _check(value: object, what: str) -> float:
 
 def read_measured(d: Draft, file_bytes: int, seconds: float | None) -> None:
     """A read of ``file_bytes`` took ``seconds`` (None: the interpreter does not time its reads)."""
-    if seconds is None or file_bytes <= 0:
-        return
-    seconds = _check(seconds, "a read's seconds")
-    d.pace = attrs.evolve(d.pace, read_seconds=_decayed(d.pace.read_seconds, seconds),
-                          read_bytes=_decayed(d.pace.read_bytes, file_bytes))
+    _moved(d, "read", file_bytes, seconds, "a read's seconds")
 
 
 def remote_measured(d: Draft, nbytes: int, seconds: float | None) -> None:
     """A fetch of ``nbytes`` from the shared tier, kept on disk, took ``seconds`` (None: not timed)."""
+    _moved(d, "remote", nbytes, seconds, "a fetch's seconds")
+
+
+def _moved(d: Draft, kind: str, nbytes: int, seconds: float | None, what: str) -> None:
+    """``nbytes`` moved in ``seconds``: the decayed sums of the pace ``kind`` (``read`` or ``remote``)."""
     if seconds is None or nbytes <= 0:
         return
-    seconds = _check(seconds, "a fetch's seconds")
-    d.pace = attrs.evolve(d.pace, remote_seconds=_decayed(d.pace.remote_seconds, seconds),
-                          remote_bytes=_decayed(d.pace.remote_bytes, nbytes))
+    seconds = _check(seconds, what)
+    pace = d.pace
+    d.pace = attrs.evolve(pace, **{f"{kind}_seconds": _decayed(getattr(pace, f"{kind}_seconds"), seconds),
+                                   f"{kind}_bytes": _decayed(getattr(pace, f"{kind}_bytes"), nbytes)})
 
 
 def prefill_measured(state: ServiceState, e: ev.PrefillMeasured) -> Step:

@@ -15,7 +15,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
 
+from kvstate.core.blocks import block_key
 from kvstate.core.errors import KvStateError
+from kvstate.core.tokens import packed
 from kvstate.effects import effects as fx
 from kvstate.effects.completions import Scanned
 
@@ -206,3 +208,32 @@ class HeldState:
         for observe in self.block_observers:
             observe(e)
         return []
+
+
+def fetch_in_order(e: fx.FetchRemote, kept: Callable[[fx.BlockName], bool | None],
+                   children: Callable[[bytes], list[tuple[int, bytes]]]) -> None:
+    """How every interpreter carries out a ``FetchRemote``: ``kept(name)`` each block of the chain in
+    order (True: fetched and kept; False: the store lacks it; None: stop, it failed its checks or the
+    store or disk failed), up to the first that is not kept; then, where the store lacked one (or had
+    them all), the longest partial block after the last one kept that the prompt goes on with, among
+    ``children(parent)`` (``(tokens, key)`` of the blocks the store holds after ``parent``; None: the
+    store failed)."""
+    parent, position, outcome = e.after, e.start, False
+    for name in e.names:
+        outcome = kept(name)
+        if not outcome:
+            break
+        parent, position = name.key, position + len(name.tokens)
+    else:
+        outcome = False  # every block kept: the partial one after them, if any
+    if outcome is not False:
+        return
+    size = len(e.names[0].tokens) if e.names else None
+    window = e.prompt[position:position + size - 1] if size else e.prompt[position:]
+    if not window:
+        return
+    listed = children(parent)
+    for length, key in listed or ():
+        if 0 < length <= len(window) and block_key(parent, packed(window[:length])) == key:
+            kept(fx.BlockName(e.namespace, key, parent, position, tuple(window[:length])))
+            return

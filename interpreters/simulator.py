@@ -16,12 +16,12 @@ from typing import Any, Iterable
 
 import attrs
 
-from kvstate.core.blocks import block_key, saved_chains
+from kvstate.core.blocks import saved_chains
 from kvstate.core.errors import InvalidRequest, KvStateError
 from kvstate.core.state import ServiceConfig
 from kvstate.core.tokens import WIDTH, PackedIds, packed
 from kvstate.effects.completions import SavedBlock, SavedCheckpoint, SavedRecord, Scanned
-from kvstate.interpreters.base import BlockSizes, CacheFacts, HeldState, InterpreterError
+from kvstate.interpreters.base import BlockSizes, CacheFacts, HeldState, InterpreterError, fetch_in_order
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 from kvstate.models.catalogue import model_spec
@@ -528,24 +528,13 @@ class SimulatorInterpreter(HeldState):
             blocks.append(SavedBlock(name, file.nbytes, file.file_bytes, file.used_at, file.trimmable))
             return True
 
-        parent, position, outcome = e.after, e.start, False
-        for name in e.names:
-            outcome = kept(name)
-            if not outcome:
-                break
-            parent, position = name.key, position + len(name.tokens)
-        else:
-            outcome = False
-        if outcome is False:
-            size = len(e.names[0].tokens) if e.names else None
-            window = e.prompt[position:position + size - 1] if size else e.prompt[position:]
-            if window and self.remote.down:
+        def children(parent: bytes) -> list[tuple[int, bytes]] | None:
+            if self.remote.down:
                 trouble["failed"] = True
-            elif window:
-                for length, key in self.remote.children(self.identity, e.namespace, parent):
-                    if 0 < length <= len(window) and block_key(parent, packed(window[:length])) == key:
-                        kept(fx.BlockName(e.namespace, key, parent, position, tuple(window[:length])))
-                        break
+                return None
+            return self.remote.children(self.identity, e.namespace, parent)
+
+        fetch_in_order(e, kept, children)
         nbytes = sum(block.file_bytes for block in blocks)
         seconds = nbytes / self.cost.remote_bytes_per_second if nbytes else None
         tail = None if e.names else (e.namespace, e.after)

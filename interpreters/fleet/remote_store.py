@@ -25,10 +25,9 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from kvstate.core.blocks import block_key
-from kvstate.core.tokens import packed
 from kvstate.effects import completions as done
 from kvstate.effects.effects import BlockName
+from kvstate.interpreters.base import fetch_in_order
 from kvstate.interpreters.mlx.file_io import RejectedFile, WriteFailed
 
 try:
@@ -193,36 +192,18 @@ def fetch_chain(remote: RemoteStore, store: Any, effect: Any) -> done.RemoteFetc
         nbytes += len(data)
         return True
 
-    parent, position, outcome = effect.after, effect.start, False
-    for name in effect.names:
-        outcome = kept(name)
-        if not outcome:
-            break
-        parent, position = name.key, position + len(name.tokens)
-    else:
-        outcome = False  # every block read: the partial one after them, if any
-    if outcome is False:
-        size = len(effect.names[0].tokens) if effect.names else None
-        window = effect.prompt[position:position + size - 1] if size else effect.prompt[position:]
+    def children(parent: bytes) -> list[tuple[int, bytes]] | None:
         try:
-            partial = longest_child(remote, effect.namespace, parent, position, window) if window else None
+            return remote.children(effect.namespace, parent)
         except RemoteUnavailable:
-            trouble["failed"], partial = True, None
-        if partial is not None:
-            kept(partial)
+            trouble["failed"] = True
+            return None
+
+    fetch_in_order(effect, kept, children)
     seconds = time.perf_counter() - started if nbytes else None
     tail = None if effect.names else (effect.namespace, effect.after)
     return done.RemoteFetched(effect.names, tuple(blocks), nbytes, seconds, trouble["rejected"], trouble["failed"],
                               tail)
-
-
-def longest_child(remote: Any, namespace: str, parent: bytes, start: int, tail: tuple[int, ...]) -> BlockName | None:
-    """The name of the longest block the store holds after block ``parent`` whose tokens begin ``tail``
-    (its key the chain hash of ``parent`` and those tokens), or None."""
-    for length, key in remote.children(namespace, parent):
-        if 0 < length <= len(tail) and block_key(parent, packed(tail[:length])) == key:
-            return BlockName(namespace, key, parent, start, tuple(tail[:length]))
-    return None
 
 
 def offer_block(remote: RemoteStore, store: Any, name: BlockName) -> done.RemoteOffered | None:
