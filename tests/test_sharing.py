@@ -8,7 +8,7 @@ entry serves.
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis import given
+from hypothesis import example, given
 
 from kvstate.core.sharing import Computing, shared_target
 from tests.reference import usable
@@ -34,6 +34,14 @@ def naive_target(prompt, reusable, computing, min_gain):
 
 @given(prompt=prompts, reusable=st.integers(0, 24), computing=st.lists(rows(), max_size=4),
        min_gain=st.integers(1, 8))
+# The edges a random search finds only now and then, pinned: a whole state whose boundary is exactly
+# where the prompts part, and exactly the last token a reuse may cover; a trimmed one cut where they
+# part; a boundary the row has just reached (published already); a gain of exactly the minimum.
+@example(prompt=(1, 2, 0, 1, 2, 2), reusable=0, computing=[Computing((1, 2, 0, 1, 0), (4,), 0, False)], min_gain=1)
+@example(prompt=(1, 2, 0, 1, 2), reusable=0, computing=[Computing((1, 2, 0, 1, 2, 2), (4,), 1, False)], min_gain=1)
+@example(prompt=(1, 2, 0, 2, 2), reusable=0, computing=[Computing((1, 2, 0, 1, 2), (5,), 0, True)], min_gain=1)
+@example(prompt=(1, 2, 0, 1, 2), reusable=0, computing=[Computing((1, 2, 0, 1, 2), (3,), 3, True)], min_gain=1)
+@example(prompt=(1, 2, 0, 1, 2), reusable=1, computing=[Computing((1, 2, 0, 1, 2), (3,), 0, True)], min_gain=2)
 def test_the_target_is_what_a_publish_still_to_come_would_serve(prompt, reusable, computing, min_gain):
     assert shared_target(prompt, reusable, computing, min_gain) == naive_target(prompt, reusable, computing, min_gain)
 
