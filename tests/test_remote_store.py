@@ -185,3 +185,58 @@ def test_a_store_killed_mid_run_changes_no_answer(llama, tmp_path, credentials):
     assert first.flush().durable and first.report().remote_failures >= 1
     first.close()
     second.close()
+
+
+class _Answering:
+    """A fake object store on loopback that answers every request with HTTP 500, or, with ``hang``,
+    accepts connections and never answers."""
+
+    def __init__(self, hang: bool):
+        import socket
+        import threading
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.hang, self.held, self.closed = hang, [], threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.closed.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.hang:
+                self.held.append(connection)  # read nothing, answer nothing
+                continue
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            connection.close()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+        for connection in self.held:
+            connection.close()
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["answering-errors", "hanging"])
+def test_a_store_that_answers_errors_or_hangs_changes_no_answer(llama, tmp_path, credentials, hang):
+    model, config = llama
+    fake = _Answering(hang)
+    try:
+        remote = RemoteStore("s3://kvstate-fleet/x", "identity", endpoint_url=fake.endpoint, clock=Clock(),
+                             timeout_s=1.0)
+        service = service_for(model, config, tmp_path / "a", remote=remote)
+        prompt = tuple(range(20, 20 + 2 * SIZE + 3))
+        assert service.remote_lookup(prompt, "n") and not service.reading_ahead(prompt, "n")
+        state, logits = turn(service, model, prompt)
+        assert state.reused_tokens == 0
+        assert_recomputed(model, prompt, logits)
+        assert service.flush().durable  # its offers fail (or back off): counted, the disk durable regardless
+        report = service.report()
+        assert report.remote_failures >= 1 and report.remote_blocks_read == 0 and report.remote_writes == 0
+        service.close()
+    finally:
+        fake.close()
