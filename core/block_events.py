@@ -77,7 +77,8 @@ def held(state: ServiceState) -> tuple[fx.BlockStored, ...]:
         blocks = [e for e in state.entries.values() if e.residence in residences and told(state, e)]
         blocks.sort(key=lambda e: (e.namespace, e.start))  # a parent starts before what extends it
         out.extend(fx.BlockStored(name_of(state, e), medium) for e in blocks)
-    remote = sorted((name for name in state.remote_held.values() if len(name.tokens) == state.config.block_tokens),
+    remote = sorted((name for name in state.remote_held.values()
+                     if name is not None and len(name.tokens) == state.config.block_tokens),
                     key=lambda name: (name.namespace, name.start))
     out.extend(fx.BlockStored(name, REMOTE) for name in remote)
     return tuple(out)

@@ -145,5 +145,6 @@ def offered(state: ServiceState, e: done.RemoteOffered) -> Step:
 def _learnt(d: Draft, name: fx.BlockName) -> None:
     """The shared tier holds block ``name``: remembered (a clean stop does not offer it again), and told."""
     if (name.namespace, name.key) not in d.remote_held:
-        d.remote_held = d.remote_held.set((name.namespace, name.key), name)
+        # The name (its tokens) only where block events may tell it again: a key is all a stop needs.
+        d.remote_held = d.remote_held.set((name.namespace, name.key), name if d.config.block_events else None)
         block_events.on_remote(d, name)

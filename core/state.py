@@ -544,9 +544,9 @@ class ServiceState:
     phase: Phase = Phase.OPEN
     #: (namespace, chain key) of the blocks being fetched from the shared tier (:mod:`~kvstate.core.remote`).
     remote_reading: frozenset = frozenset()
-    #: (namespace, chain key) -> name of each block this server learnt the shared tier holds (it wrote
-    #: it, found it there, or fetched it): what a clean stop need not offer again, and what block
-    #: events tell of that tier.
+    #: (namespace, chain key) of each block this server learnt the shared tier holds (it wrote it, found
+    #: it there, or fetched it): what a clean stop need not offer again; with block events, -> its
+    #: name (what they tell of that tier), else None.
     remote_held: immutables.Map = EMPTY
     #: close()'s verdict once closed; or a publish parked until the writes in flight settle.
     close_result: Any = None
