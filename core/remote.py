@@ -58,11 +58,10 @@ def lookup(state: ServiceState, e: ev.RemoteLookup) -> Step:
         held += 1
     missing = keys[held:]
     full_end = len(keys) * size
-    reusable = tuple(prompt[:len(prompt) - 1])  # the last token is the request's own: never reused
-    tail = reusable[full_end:]
+    tail = tuple(prompt[full_end:])
     parent = keys[-1] if keys else namespace_key(namespace)
-    if not missing and (not tail or held_length(state, namespace, prompt) > full_end):
-        return Step(state, (), False)  # every full block held, and what follows them too (or nothing does)
+    if not missing and (not tail or held_length(state, namespace, prompt) >= len(prompt) - 1):
+        return Step(state, (), False)  # held here already, as much as a reuse can take
     # A partial block alone is marked by what it follows; full blocks by their keys.
     reading = {(namespace, key) for key in missing} if missing else {tail_mark(namespace, parent)}
     if reading & state.remote_reading:
@@ -78,7 +77,7 @@ def lookup(state: ServiceState, e: ev.RemoteLookup) -> Step:
         above = key
     d.remote_reading = d.remote_reading | reading
     after = keys[held - 1] if held else namespace_key(namespace)
-    d.out.append(fx.FetchRemote(tuple(names), namespace, reusable, after, held * size))
+    d.out.append(fx.FetchRemote(tuple(names), namespace, tuple(prompt), after, held * size))
     d.count("remote_fetches")
     return d.step(True)
 
@@ -89,10 +88,8 @@ def tail_mark(namespace: str, parent: bytes) -> tuple:
 
 
 def held_length(state: ServiceState, namespace: str, prompt) -> int:
-    """The longest prefix of ``prompt`` RAM or disk can serve."""
-    ram, _ = state.ram.index.longest(namespace, prompt)
-    disk, _ = state.disk.index.longest(namespace, prompt) if state.config.has_disk else (0, None)
-    return max(ram, disk)
+    """The longest prefix of ``prompt`` RAM or disk can serve (a shared tier comes with a disk)."""
+    return max(state.ram.index.longest(namespace, prompt)[0], state.disk.index.longest(namespace, prompt)[0])
 
 
 def fetch_pays(state: ServiceState, nbytes: int, tokens: int) -> bool:

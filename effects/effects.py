@@ -215,8 +215,8 @@ class FetchRemote(Effect):
     """Read the blocks ``names`` (one chain of ``namespace``, first position first, the first after
     block ``after`` at position ``start``) from the shared tier, stopping at the first it cannot give
     or that fails its checks; where it lacks one (or has them all), then the longest partial block it
-    holds after the last one read whose tokens ``prompt`` goes on with (a request's prompt less its
-    last token). Each verified block is kept on disk as a saved block; completes (``RemoteFetched``),
+    holds after the last one read whose tokens ``prompt`` (the request's) goes on with (one that
+    covers it all serves it cut back, as any trimmable state). Each verified block is kept on disk as a saved block; completes (``RemoteFetched``),
     possibly later."""
 
     names: tuple[BlockName, ...]

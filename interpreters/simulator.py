@@ -224,10 +224,10 @@ class SimulatorInterpreter(HeldState):
         self.remote = remote
         self.faults = faults or FaultPlan()
         self.deferred_writes = deferred_writes
-        #: Reads ahead of a chain's blocks (``PrefetchBlocks``) complete at ``poll``, as a background
-        #: reader's would, not when performed.
+        #: Reads ahead of a chain's blocks (``PrefetchBlocks``) and fetches from the shared tier complete
+        #: at ``poll``, as a background reader's would, not when performed.
         self.deferred_reads = deferred_reads
-        self._reads: deque[fx.PrefetchBlocks] = deque()
+        self._reads: deque[fx.PrefetchBlocks | fx.FetchRemote] = deque()
         self.stats = SimStats()
         self.now = 0.0
         super().__init__()
@@ -480,7 +480,8 @@ class SimulatorInterpreter(HeldState):
         """Complete the deferred reads ahead, oldest first."""
         out: list = []
         while self._reads:
-            out.extend(self._read_ahead(self._reads.popleft()))
+            read = self._reads.popleft()
+            out.extend(self._fetched(read) if isinstance(read, fx.FetchRemote) else self._read_ahead(read))
         return out
 
     def _prefetch_blocks(self, e: fx.PrefetchBlocks) -> list:
@@ -507,9 +508,16 @@ class SimulatorInterpreter(HeldState):
     def _fetch_remote(self, e: fx.FetchRemote) -> list:
         """Copy the chain's objects to the disk, in order, up to the first the store cannot give or that
         fails its hash (not kept); where it lacks one (or has them all), then the longest partial block
-        after the last one copied that the prompt goes on with. The store down fails the fetch."""
+        after the last one copied that the prompt goes on with. The store down fails the fetch. With
+        ``deferred_reads``, it completes at ``poll``, as a background fetch would."""
         if self.remote is None:
             raise InterpreterError("a shared-tier effect reached a simulator without a remote")
+        if self.deferred_reads:
+            self._reads.append(e)
+            return []
+        return self._fetched(e)
+
+    def _fetched(self, e: fx.FetchRemote) -> list:
         blocks, trouble = [], {"rejected": False, "failed": False}
 
         def kept(name: fx.BlockName) -> bool | None:

@@ -233,3 +233,21 @@ def test_a_small_read_mostly_fixed_costs_does_not_make_a_large_one_look_slow():
     assert 880_000_000 * weighed < 0.21
     assert read_pays(state.pace, 880_000_000, 6879)
     assert not read_pays(state.pace, 880_000_000, 1000)  # a hit that saves 0.1 s of prefill does not pay
+
+
+def test_each_pace_is_the_decayed_sums_of_its_samples():
+    """Read and fetch paces alike: each sample adds to sums that earlier samples keep 3/4 of."""
+    from kvstate.core.draft import Draft
+    from kvstate.core.pace import read_measured, remote_measured
+    from kvstate.core.state import ServiceConfig, initial_state
+    from kvstate.models.catalogue import model_spec
+
+    d = Draft(initial_state(ServiceConfig(model=model_spec("llama-3.1-8b"), ram_capacity_bytes=1 << 30)))
+    for measured, seconds, nbytes in ((read_measured, "read_seconds", "read_bytes"),
+                                      (remote_measured, "remote_seconds", "remote_bytes")):
+        measured(d, 100, 1.0)
+        measured(d, 200, 3.0)
+        measured(d, 0, 9.0)      # nothing moved: no sample
+        measured(d, 50, None)    # not timed: no sample
+        assert getattr(d.pace, seconds) == 0.75 * 1.0 + 3.0
+        assert getattr(d.pace, nbytes) == 0.75 * 100 + 200

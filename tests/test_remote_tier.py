@@ -8,6 +8,7 @@ files'."""
 
 from __future__ import annotations
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
@@ -280,3 +281,125 @@ def test_a_flush_or_a_clean_stop_offers_what_the_store_is_not_known_to_hold():
     turn(a, tuple(range(12)) + (1, 1, 1, 1))
     a.close()  # a clean stop writes what is kept and not there: the new block (the rest are known there)
     assert len(remote.objects) == 1
+
+
+def test_without_a_shared_tier_a_lookup_fetches_nothing():
+    service = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, disk_bytes=8 << 30, block_tokens=BLOCK)
+    assert service.remote_lookup(tuple(range(20)), NAMESPACE) is False
+    assert service.report().remote_fetches == 0
+
+
+def test_a_fetch_in_flight_is_not_asked_for_twice_and_lands_at_a_collect():
+    remote = SimRemote()
+    a = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, disk_bytes=8 << 30, block_tokens=BLOCK,
+                                 interpreter_options={"remote": remote, "disk": SimDisk()})
+    b = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, disk_bytes=8 << 30, block_tokens=BLOCK,
+                                 interpreter_options={"remote": remote, "disk": SimDisk(), "deferred_reads": True})
+    turn(a, tuple(range(12)))
+    a.flush()
+    prompt = tuple(range(12)) + (3,)
+    assert b.remote_lookup(prompt, NAMESPACE) and b.reading_ahead(prompt, NAMESPACE)
+    assert b.remote_lookup(prompt, NAMESPACE)  # in flight: not asked for again
+    assert b.report().remote_fetches == 1
+    b.collect()
+    assert not b.reading_ahead(prompt, NAMESPACE) and turn(b, prompt).reused_tokens == 12
+
+
+def test_a_server_that_holds_a_chains_start_fetches_only_the_blocks_after_it():
+    remote, (a, b) = fleet()
+    turn(b, tuple(range(8)))  # b holds the first two blocks
+    turn(a, tuple(range(16)))
+    a.flush()
+    prompt = tuple(range(16)) + (9,)
+    assert b.remote_lookup(prompt, NAMESPACE)
+    b.collect()
+    assert b.report().remote_blocks_read == 2  # the third and fourth, under the second
+    assert turn(b, prompt).reused_tokens == 16
+
+
+def test_the_same_prompt_on_another_server_reuses_all_but_its_last_token_from_the_store():
+    remote, (a, b) = fleet()
+    prompt = tuple(range(14))  # three full blocks and a partial one of 2 tokens, its last token the prompt's
+    turn(a, prompt)
+    a.flush()
+    assert b.remote_lookup(prompt, NAMESPACE)
+    b.collect()
+    assert b.report().remote_blocks_read == 4 and turn(b, prompt).reused_tokens == len(prompt) - 1
+
+
+def test_a_server_that_serves_all_it_can_already_asks_the_store_nothing():
+    remote, (a, b) = fleet()
+    prompt = tuple(range(14))
+    turn(a, prompt + (1, 1))
+    a.flush()
+    turn(b, prompt)  # b holds the prompt itself: a reuse can take no more
+    assert b.remote_lookup(prompt, NAMESPACE) is False and b.report().remote_fetches == 0
+    assert b.remote_lookup(prompt + (1,), NAMESPACE) is False  # it serves all but the last token already
+    longer = prompt + (1, 1, 7)
+    assert b.remote_lookup(longer, NAMESPACE)  # a longer one whose next block it lacks: asked
+    b.collect()
+    assert turn(b, longer).reused_tokens == len(prompt) + 2
+
+
+def test_a_fetch_pays_where_fetching_and_reading_back_beat_prefilling():
+    from kvstate.core.remote import fetch_pays
+    from kvstate.core.state import Pace
+    state = fleet()[1][0].state
+    assert fetch_pays(state, 10**9, 1)  # unmeasured: taken
+    # Fetched at 1 GB/s and read back at 1 GB/s: 2 s for 1 GB, against a prefill of 1 ms a token.
+    measured = attrs.evolve(state, pace=Pace(read_seconds=1.0, read_bytes=1e9, prefill_seconds=1.0,
+                                             prefill_tokens=1000.0, remote_seconds=1.0, remote_bytes=1e9))
+    assert fetch_pays(measured, 10**9, 2001) and not fetch_pays(measured, 10**9, 1999)  # the read back counts
+    assert not fetch_pays(measured, 10**9, 2000)  # a tie prefills: no read for nothing
+
+
+def test_a_partial_block_alone_is_fetched_only_where_it_pays():
+    remote, (a, b) = fleet()
+    turn(a, tuple(range(8)))
+    turn(b, tuple(range(8)))
+    turn(a, tuple(range(11)))
+    a.flush()
+    b.measure_prefill(1, 1.0)  # a slow prefill: any fetch pays
+    assert b.remote_lookup(tuple(range(11)) + (5,), NAMESPACE)
+    b.collect()
+    assert b.report().remote_blocks_read == 1
+
+
+def test_a_server_that_serves_less_of_what_follows_the_full_blocks_asks_for_the_store_s_longer_partial():
+    remote, (a, b) = fleet()
+    prompt = tuple(range(15))  # three full blocks, then 12, 13, 14
+    turn(b, prompt[:13])  # b: a partial block of one token after them
+    turn(a, prompt[:14])  # the store: one of two
+    a.flush()
+    b.measure_prefill(1, 1.0)
+    assert b.remote_lookup(prompt, NAMESPACE)
+    b.collect()
+    assert turn(b, prompt).reused_tokens == 14
+
+
+def test_what_the_disk_serves_counts_as_held():
+    remote, (a, b) = fleet()
+    prompt = tuple(range(14))
+    turn(a, prompt)
+    a.flush()
+    turn(b, prompt)
+    b.flush()
+    b.boundary(max_bytes=0)  # RAM gives it all back: the disk holds it
+    assert b.state.ram.bytes == 0
+    assert b.remote_lookup(prompt + (1,), NAMESPACE) is False  # the disk serves all a reuse can take
+
+
+def test_a_partial_fetch_is_judged_by_its_own_tokens_once_fetches_are_measured():
+    remote, (a, b) = fleet()
+    turn(a, tuple(range(40, 48)))
+    turn(a, tuple(range(8)))
+    turn(b, tuple(range(8)))
+    turn(a, tuple(range(11)))
+    a.flush()
+    assert b.remote_lookup(tuple(range(40, 48)) + (1,), NAMESPACE)  # a fetch, to measure the store's pace
+    b.collect()
+    assert b.state.pace.remote_s_per_byte is not None
+    b.measure_prefill(1, 1.0)  # a slow prefill: fetching three tokens' state pays
+    assert b.remote_lookup(tuple(range(11)), NAMESPACE)  # every full block held: the partial one alone
+    b.collect()
+    assert b.report().remote_blocks_read == 2 + 1

@@ -47,7 +47,7 @@ TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/test_
          "tests/test_core_and_lab_policies.py", "tests/test_against_libcachesim.py",
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
          "tests/test_model_check_checkpoints.py", "tests/test_model_check.py", "tests/test_pace.py",
-         "tests/test_disk_wear.py", "tests/test_idle.py"]
+         "tests/test_disk_wear.py", "tests/test_idle.py", "tests/test_remote_tier.py", "tests/test_kv_events.py"]
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Add: ast.Sub, ast.Sub: ast.Add, ast.And: ast.Or, ast.Or: ast.And}
 SYMBOLS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Add: "+",
