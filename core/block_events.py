@@ -42,7 +42,7 @@ def told(state, entry: Entry) -> bool:
 
 
 def name_of(state, entry: Entry) -> fx.BlockName:
-    """The full block ``entry``'s name: its namespace, key, parent's key and own tokens."""
+    """Block ``entry``'s name: its namespace, key, parent's key and own tokens."""
     parent = state.entries.get(entry.parent) if entry.parent is not None else None
     parent_key = parent.block if parent is not None else namespace_key(entry.namespace)
     return fx.BlockName(entry.namespace, entry.block, parent_key, entry.start, ids_of(entry.packed[entry.start * WIDTH:]))

@@ -82,6 +82,17 @@ def lookup(state: ServiceState, e: ev.RemoteLookup) -> Step:
     return d.step(True)
 
 
+def fetching(state: ServiceState, namespace: str, prompt: tuple[int, ...]) -> bool:
+    """Whether a block of ``prompt`` is being fetched from the shared tier (its full blocks by key, a
+    partial one alone by what it follows)."""
+    if not state.remote_reading:
+        return False
+    keys = chain(namespace, packed(prompt), state.config.block_tokens)
+    if tail_mark(namespace, keys[-1] if keys else namespace_key(namespace)) in state.remote_reading:
+        return True
+    return any((namespace, key) in state.remote_reading for key in keys)
+
+
 def tail_mark(namespace: str, parent: bytes) -> tuple:
     """What ``remote_reading`` holds while the partial block after block ``parent`` is being fetched."""
     return ("tail", namespace, parent)

@@ -17,11 +17,11 @@ from kvstate.core.admission import held_bound
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
-from kvstate.core.blocks import block_key, chain, namespace_key, spans
+from kvstate.core.blocks import block_key, namespace_key, spans
 from kvstate.core.state import (
     IN_RAM, ON_DISK, OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
 )
-from kvstate.core.tokens import WIDTH, ids_of, packed, plain
+from kvstate.core.tokens import WIDTH, packed, plain
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
 
@@ -257,8 +257,7 @@ def saved_name(d: Draft, entry: Entry) -> fx.DiskKey | fx.BlockName:
         if parent is not None:
             return fx.SnapshotName(entry.namespace, entry.tokens, parent.block)
         return fx.DiskKey(entry.namespace, entry.tokens)
-    parent_key = parent.block if parent is not None else namespace_key(entry.namespace)
-    return fx.BlockName(entry.namespace, entry.block, parent_key, entry.start, ids_of(entry.packed[entry.start * WIDTH:]))
+    return block_events.name_of(d, entry)
 
 def insert_ram(d: Draft, entry: Entry) -> None:
     """Index ``entry`` (already set in a RAM residence) and tell the policy."""
@@ -965,15 +964,9 @@ def _prefetch_chain(d: Draft, entry: Entry, length: int, in_ram: int) -> bool:
 
 
 def reading_ahead(state: ServiceState, namespace: str, prompt: tuple[int, ...]) -> bool:
-    """Whether a block of the longest saved chain serving ``prompt`` is being read ahead into RAM, or a
-    block of ``prompt`` fetched from the shared tier."""
+    """Whether a block of the longest saved chain serving ``prompt`` is being read ahead into RAM."""
     if not state.config.has_disk:
         return False
-    if state.remote_reading:
-        keys = chain(namespace, packed(prompt), state.config.block_tokens)
-        tail = ("tail", namespace, keys[-1] if keys else namespace_key(namespace))  # core.remote.tail_mark's
-        if tail in state.remote_reading or any((namespace, key) in state.remote_reading for key in keys):
-            return True
     length, found = state.disk.index.longest(namespace, prompt)
     if found is None:
         return False

@@ -61,7 +61,8 @@ def _prefetch(state: ServiceState, e: ev.Prefetch) -> Step:
 
 
 def _reading_ahead(state: ServiceState, e: ev.ReadingAhead) -> Step:
-    return Step(state, (), tiers.reading_ahead(state, check_namespace(e.namespace), e.prompt))
+    namespace = check_namespace(e.namespace)
+    return Step(state, (), tiers.reading_ahead(state, namespace, e.prompt) or remote.fetching(state, namespace, e.prompt))
 
 
 #: Each event and completion, and the handler of its concern.
