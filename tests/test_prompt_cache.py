@@ -76,6 +76,9 @@ def test_the_per_request_stats_pass_over_the_entries_at_most_once_a_second(monke
     assert cache.stats_by_type() == first and len(passes) == 1
     clock[0] += module.STATS_EVERY_S
     assert cache.stats_by_type()["user"]["n_sequences"] == 1 and len(passes) == 2
+    clock[0] += module.STATS_EVERY_S  # exactly a second after the last pass: redone
+    cache.stats_by_type()
+    assert len(passes) == 3
 
 
 def test_in_the_server_a_call_no_request_announced_reuses_and_keeps_nothing():
@@ -96,3 +99,155 @@ def test_in_the_server_a_call_no_request_announced_reuses_and_keeps_nothing():
     assert cache.service.peek_prefix_len(prompt + [99], "default") == 0
     with cache.serving(None):  # a request without a salt: the default namespace
         assert cache.fetch_nearest_cache(MODEL_KEY, prompt + [99]) == (None, prompt + [99])
+
+
+# ---------------------------------------------------------------- promises the server's log, trace and counters rely on
+
+
+def test_a_reuse_of_no_more_than_the_templates_opening_is_counted_apart_and_only_then():
+    model, cache = adapter()
+    prompt = list(range(1, 41))
+    cache.insert_cache(MODEL_KEY, prompt[:2], computed(model, prompt[:2]))
+    caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt[:2] + [77])
+    assert caches[0].offset == 2 and cache.template_only_hits == 0  # no template told: no hit is the template's
+    cache.template_tokens = 2
+    cache.fetch_nearest_cache(MODEL_KEY, prompt[:1] + [77])  # a reuse of 1 token, within the template's 2
+    cache.fetch_nearest_cache(MODEL_KEY, prompt[:2] + [77])  # of 2, the template's whole opening
+    assert cache.template_only_hits == 2
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))
+    cache.fetch_nearest_cache(MODEL_KEY, prompt + [77])  # past the template: the client's own reuse
+    assert cache.template_only_hits == 2
+
+
+def test_an_expectation_taken_back_leaves_the_next_fetch_to_no_request():
+    from kvstate import Request
+
+    model, cache = adapter()
+    cache.unannounced = None
+    prompt = list(range(1, 41))
+    with cache.serving("a"):
+        cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))
+    request = Request(tuple(prompt + [77]), 4)
+    cache.service.admit(request)
+    cache.expect(request, "a")
+    cache.unexpect(request)
+    assert cache.fetch_nearest_cache(MODEL_KEY, prompt + [77]) == (None, prompt + [77])
+    cache.service.release(request)
+
+
+def test_announcements_are_bounded_and_the_oldest_is_forgotten_first():
+    from kvstate.interpreters.serving.prompt_cache import MAX_ANNOUNCED
+
+    model, cache = adapter()
+    cache.unannounced = None
+    first, second = [1, 2, 3], [4, 5, 6]
+    cache.announce(first, "a")
+    cache.announce(second, "a")
+    for n in range(MAX_ANNOUNCED - 1):
+        cache.announce([1000 + n], "a")
+    # MAX_ANNOUNCED + 1 announced: the first is forgotten (its state kept nowhere), the second not
+    cache.insert_cache(MODEL_KEY, first, computed(model, first))
+    cache.insert_cache(MODEL_KEY, second, computed(model, second))
+    assert cache.service.peek_prefix_len(first + [9], "a") == 0
+    assert cache.service.peek_prefix_len(second + [9], "a") == 3
+
+
+def test_the_state_at_the_end_of_a_generation_is_kept_without_the_token_the_caches_lack():
+    """mlx-lm's server inserts the prompt and every generated token, but the caches lack the last one
+    sampled: the state is kept for the tokens the caches cover; caches that cover more tokens than
+    offered, or none, keep nothing."""
+    model, cache = adapter()
+    tokens = list(range(1, 41))
+    cache.insert_cache(MODEL_KEY, tokens, computed(model, tokens[:-1]))
+    assert cache.service.peek_prefix_len(tokens[:-1] + [99], "default") == 39
+    one = [50, 51]
+    cache.insert_cache(MODEL_KEY, one, computed(model, one[:1]))
+    assert cache.service.peek_prefix_len(one[:1] + [99], "default") == 1
+    kept = cache.service.report().kept
+    longer = [60, 61, 62]
+    cache.insert_cache(MODEL_KEY, longer[:2], computed(model, longer))  # caches past the tokens offered
+    cache.insert_cache(MODEL_KEY, [70, 71], make_prompt_cache(model))  # caches that cover nothing
+    cache.insert_cache(("other", None, None), [80, 81], computed(model, [80, 81]))  # another model's
+    cache.insert_cache(MODEL_KEY, [90, 91], [])  # no caches
+    assert cache.service.report().kept == kept and len(cache) == 2
+
+
+def test_only_the_state_at_the_end_of_a_reply_answers_a_recorded_request(tmp_path):
+    from kvstate.interpreters.serving.trace_recording import TraceRecorder
+
+    model, cache = adapter()
+    cache.recorder = TraceRecorder(tmp_path / "trace.jsonl")
+    prompt = list(range(1, 41))
+    cache.fetch_nearest_cache(MODEL_KEY, prompt)
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="user")  # the prompt's own
+    assert cache.recorder.written == 0
+    cache.insert_cache(MODEL_KEY, prompt + [50], computed(model, prompt), cache_type="assistant")
+    assert cache.recorder.written == 1
+    cache.recorder.close()
+
+
+def test_the_fetch_and_keep_lines_say_the_bytes_moved_and_a_time_within_the_call(tmp_path, caplog):
+    import logging
+    import re
+    import time
+
+    from kvstate.core.checks import size_text
+
+    model, cache = adapter(tmp_path)
+    prompt = list(range(1, 41))
+    with caplog.at_level(logging.INFO):
+        started = time.perf_counter()
+        cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))
+        outer_ms = 1e3 * (time.perf_counter() - started)
+    kept_line = next(r.getMessage() for r in caplog.records if "state of 40 tokens" in r.getMessage())
+    assert float(re.search(r" in ([0-9.]+) ms", kept_line).group(1)) <= outer_ms
+    assert cache.service.flush().durable
+    cache.trim_to(n_sequences=0)  # held on disk alone now
+    caplog.clear()
+    read_before = cache.service.counts().bytes_read
+    with caplog.at_level(logging.INFO):
+        started = time.perf_counter()
+        caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt + [77])
+        outer_ms = 1e3 * (time.perf_counter() - started)
+    read = cache.service.counts().bytes_read - read_before
+    line = next(r.getMessage() for r in caplog.records if "fetch of 41 tokens" in r.getMessage())
+    assert read > 0 and f", {size_text(read)} read from disk)" in line
+    assert float(re.search(r" in ([0-9.]+) ms", line).group(1)) <= outer_ms
+    other = list(range(100, 130))
+    cache.insert_cache(MODEL_KEY, other, computed(model, other))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        cache.fetch_nearest_cache(MODEL_KEY, other + [78])  # from RAM: nothing read
+    line = next(r.getMessage() for r in caplog.records if "fetch of 31 tokens" in r.getMessage())
+    assert "reused 30 (ram)" in line
+
+
+def test_the_adapter_ticks_the_service_only_where_a_rule_reads_the_clock(tmp_path, monkeypatch):
+    from kvstate.interpreters.serving import prompt_cache as module
+
+    model, config = build("llama", seed=81)
+    prompt = list(range(1, 41))
+    every = {"checkpoint_every_tokens": 64}
+    for n, (options, ticks) in enumerate([({}, False), ({"checkpoint_keep_s": 60.0}, False), (every, False),
+                                          ({**every, "checkpoint_keep_s": 60.0}, True),
+                                          ({"write_idle_after": 5.0}, True), ({"demote_idle_after": 5.0}, True)]):
+        service = KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, disk_dir=str(tmp_path / str(n)),
+                                         disk_bytes=64 << 20, **options)
+        cache = module.KvStatePromptCache(service, MODEL_KEY)
+        told = []
+        real = service.tick
+        monkeypatch.setattr(service, "tick", lambda *a, **k: told.append(1) or real(*a, **k))
+        cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))
+        cache.fetch_nearest_cache(MODEL_KEY, prompt + [77])
+        assert bool(told) is ticks, options
+
+
+def test_a_prefills_chunk_is_kept_only_where_its_snapshot_is_worth_its_bytes_and_a_segments_end_always():
+    model, config = build("qwen3_next", seed=5)
+    service = KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20, block_tokens=4)
+    cache = KvStatePromptCache(service, MODEL_KEY)
+    prompt = list(range(1, 9))
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="chunk")
+    assert service.report().snapshots_passed_up == 1 and service.peek_prefix_len(prompt + [99], "default") == 0
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="user")
+    assert service.peek_prefix_len(prompt + [99], "default") == 8

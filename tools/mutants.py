@@ -1,7 +1,9 @@
-"""Mutation testing of core/: change one operator or constant, run the core's tests, count who notices.
+"""Mutation testing of core/ and the serving wing: change one operator or constant, run the tests, count who notices.
 
 Mutation sites are comparisons flipped, + and - swapped, and/or swapped, True/False swapped, and
-small integers moved by one, across ``core/``. Each mutant is written into a private copy of the
+small integers moved by one, across ``core/`` (``--wing core``, the default) or the serving wing's
+adapter, batch admission and tenant code (``--wing serving``, against the tests that hold them,
+real servers included). Each mutant is written into a private copy of the
 source tree, the core's tests run against it (fastest first, stopping at the first failure, with a
 fixed hypothesis seed), and a failing run kills it. Workers run mutants in parallel, one tree each.
 
@@ -15,6 +17,7 @@ the tool reports them apart and names any survivor that has no explanation.
     python tools/mutants.py --all --shard 1/2         # every other site, to split a run across machines
     python tools/mutants.py --rerun mutants.json --tests tests/test_core_tiers.py  # triage on one file
     python tools/mutants.py --sample 40 --seed 7 --hypothesis-seed 1  # kills that depend on the search's seed
+    python tools/mutants.py --wing serving --all --jobs 2 --json serving.json  # the serving wing
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: search finds is a kill that depends on luck, and wants an ``@example``.
 HYPOTHESIS_SEED = [0]
 EXPLAINED = ROOT / "tools" / "equivalent_mutants.txt"
-TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/test_core_objects.py",
+CORE_TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/test_core_objects.py",
          "tests/test_core_checkpoints.py", "tests/test_core_lifecycle.py", "tests/test_core_reuse.py",
          "tests/test_blocks.py", "tests/test_edges.py", "tests/test_policies.py", "tests/test_prefix_index.py",
          "tests/test_tokens.py", "tests/test_errors.py",
@@ -48,6 +51,17 @@ TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/test_
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
          "tests/test_model_check_checkpoints.py", "tests/test_model_check.py", "tests/test_pace.py",
          "tests/test_disk_wear.py", "tests/test_idle.py", "tests/test_remote_tier.py", "tests/test_kv_events.py"]
+#: The serving wing's code where tenants, names and budgets are decided, and the tests that hold it:
+#: the quick ones first, then those that run real servers through the ``openai`` client.
+SERVING_FILES = ["interpreters/serving/prompt_cache.py", "interpreters/serving/batch_admission.py",
+                 "interpreters/serving/tenants.py", "interpreters/serving/deployment_keys.py",
+                 "interpreters/serving/model_names.py", "interpreters/serving/pins.py"]
+SERVING_TESTS = ["tests/test_tenants.py", "tests/test_prompt_cache.py", "tests/test_serving_admission.py",
+                 "tests/test_serve_paths.py", "tests/test_concurrency.py", "tests/test_serve.py"]
+#: Each wing: the files whose sites are mutated, and the tests a mutant runs against.
+WINGS = {"core": (None, CORE_TESTS), "serving": (SERVING_FILES, SERVING_TESTS)}
+#: The tests the chosen wing's mutants run against (``--tests`` replaces them).
+TESTS = list(CORE_TESTS)
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Add: ast.Sub, ast.Sub: ast.Add, ast.And: ast.Or, ast.Or: ast.And}
 SYMBOLS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Add: "+",
@@ -174,11 +188,13 @@ def _first_failure(output: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     chosen_by = parser.add_mutually_exclusive_group()
-    chosen_by.add_argument("--all", action="store_true", help="every site in core/")
+    chosen_by.add_argument("--all", action="store_true", help="every site of the wing")
     chosen_by.add_argument("--sample", type=int, default=30, help="this many sites, drawn with --seed")
     chosen_by.add_argument("--only", nargs="+", help="the sites whose names start with these, e.g. core/state.py:224")
     chosen_by.add_argument("--rerun", type=Path, nargs="+", help="the survivors recorded in these JSONs of earlier runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wing", choices=sorted(WINGS), default="core",
+                        help="core/ against the core's tests, or the serving wing against the serving tests")
     parser.add_argument("--shard", default="1/1", help="K/N: run every Nth chosen mutant from the Kth, to split a run")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=300, help="seconds a mutant may run; a hang kills it")
@@ -189,10 +205,12 @@ def main() -> None:
                         help="the seed of hypothesis's search (another seed shows which kills depend on it)")
     args = parser.parse_args()
     HYPOTHESIS_SEED[0] = args.hypothesis_seed
+    files, TESTS[:] = WINGS[args.wing]
     if args.tests:
         TESTS[:] = args.tests
 
-    everything = [site for f in sorted((ROOT / "core").rglob("*.py")) for site in sites(f)]
+    paths = sorted((ROOT / "core").rglob("*.py")) if files is None else [ROOT / f for f in files]
+    everything = [site for f in paths for site in sites(f)]
     if args.all:
         chosen = everything
     elif args.only:
@@ -239,11 +257,11 @@ def main() -> None:
     print(f"\nkilled {killed} of {len(outcomes)} mutants ({killed / max(1, len(outcomes)):.1%}); "
           f"{equivalent} survivors explained as equivalent, {len(unexplained)} unexplained; "
           f"{killed / max(1, len(outcomes) - equivalent):.1%} of the mutants that can change a decision; "
-          f"{len(everything)} sites in core/")
+          f"{len(everything)} sites in the {args.wing} wing")
     for m in unexplained:
         print(f"  unexplained survivor: {m['name']}")
     names = {site["name"] for site in everything}
-    for name in sorted(set(explained) - names):
+    for name in sorted(n for n in set(explained) - names if n.startswith(tuple(str(p.relative_to(ROOT)) for p in paths))):
         print(f"  stale explanation (no such site now): {name}")
     if args.json:
         args.json.write_text(json.dumps({"sites": len(everything), "killed": killed, "mutants": outcomes}, indent=1))
