@@ -61,14 +61,15 @@ def _restarted_with_saved_blocks(prompt):
     return service()
 
 
-@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "no-read-ahead"])
+@pytest.mark.parametrize("read_ahead", [True, False, None], ids=["read-ahead", "no-read-ahead", "by-default"])
 def test_saved_blocks_are_read_ahead_only_when_asked_and_the_batch_is_busy(read_ahead):
     """With ``read_ahead``, a request whose state only the disk holds has it read into RAM while a batch
     runs (it waits for the read, not the generation thread); arriving at an idle batch it is admitted at
     once and restores its own state, as every request does without ``read_ahead``."""
     saved = list(range(1, 13))
     service = _restarted_with_saved_blocks(tuple(saved))
-    admission = BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=0.0, read_ahead=read_ahead)
+    options = {} if read_ahead is None else {"read_ahead": read_ahead}  # off unless asked for
+    admission = BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=0.0, **options)
     idle, busy, row = saved + [40, 41], saved + [50, 51], list(range(200, 230))
     items = {}
 
@@ -157,3 +158,77 @@ def test_under_a_full_budget_a_later_request_never_overtakes_an_earlier_one_wait
     assert [w.item for w in admission._waiting] == [a, b] and admission.waited >= 1
     admission.ended([1])                                               # the row ends: room for A first
     assert admission.next_admitted(take, tokenize, None) is a
+
+
+def test_no_wait_for_a_shared_prefix_without_a_share_wait_and_a_wait_ends_at_its_deadline(monkeypatch):
+    """``share_wait_s`` 0 turns the wait off (none counted); otherwise a request waits until exactly its
+    deadline, on the clock admission reads."""
+    from kvstate.interpreters.serving import batch_admission as module
+    system, user = list(range(1, 101)), list(range(500, 520))
+    service, admission = _admission(share_wait_s=0.0)
+    (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)])
+    arrivals.append(row)
+    admission.next_admitted(take, tokenize, 0)
+    admission.placed([7], segments=[[system, user]], cached=[[]])
+    arrivals.append(a)
+    assert admission.next_admitted(take, tokenize, 0) is a and admission.shared_waits == 0
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    service, admission = _admission(share_wait_s=5.0)
+    (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)])
+    arrivals.append(row)
+    admission.next_admitted(take, tokenize, 0)
+    admission.placed([7], segments=[[system, user]], cached=[[]])
+    arrivals.append(a)
+    assert admission.next_admitted(take, tokenize, 0) is None and admission.shared_waits == 1
+    clock[0] += 4.999
+    assert admission.next_admitted(take, tokenize, 0) is None
+    clock[0] = 1005.0  # the deadline itself: the wait is over
+    assert admission.next_admitted(take, tokenize, 0) is a
+
+
+def test_the_admitted_requests_tokenization_is_handed_back_for_it_alone():
+    service, admission = _admission()
+    (first, other), arrivals, take, tokenize = _items([(list(range(1, 21)), 4), (list(range(30, 40)), 4)])
+    arrivals.append(first)
+    assert admission.next_admitted(take, tokenize, 0) is first
+    assert admission.tokenized(first[1])[0] == list(range(1, 21))
+    assert admission.tokenized(other[1]) is None
+
+
+def test_rows_placed_without_segments_or_with_nothing_left_to_compute_are_rows_all_the_same():
+    service, admission = _admission()
+    (first, second), arrivals, take, tokenize = _items([(list(range(1, 21)), 4), (list(range(30, 40)), 4)])
+    arrivals.append(first)
+    admission.next_admitted(take, tokenize, 0)
+    admission.placed([1])  # the server said nothing of its segments
+    arrivals.append(second)
+    admission.next_admitted(take, tokenize, 0)
+    admission.placed([2], segments=[[[]]], cached=[list(range(30, 40))])  # its prompt all reused
+    assert service.report().live_requests == 2
+    admission.ended([1, 2])
+    assert service.report().live_requests == 0
+
+
+def test_the_peaks_start_at_nothing_and_hold_the_batch_and_the_kept_ram():
+    from kvstate import Request, SimCaches
+    service, admission = _admission()
+    assert (admission.peak_batch_bytes, admission.peak_held_bytes) == (0, 0)
+    prompt = tuple(range(1, 41))
+    lease = Request(prompt, 1)
+    service.acquire(lease)
+    service.publish(lease, "default", prompt, SimCaches(prompt, SPEC))
+    service.release(lease)
+    kept = admission.cache.nbytes
+    admission.measure(1000)
+    assert (admission.peak_batch_bytes, admission.peak_held_bytes) == (1000, 1000 + kept) and kept > 0
+
+
+def test_a_prefill_that_measured_nothing_teaches_no_pace():
+    service, admission = _admission()
+    admission.prefilled(0, 1.0)
+    admission.prefilled(100, 0.0)
+    assert service.state.pace.prefill_s_per_token is None
+    admission.prefilled(100, 0.5)
+    assert service.state.pace.prefill_s_per_token is not None
