@@ -232,3 +232,40 @@ def test_a_prefill_that_measured_nothing_teaches_no_pace():
     assert service.state.pace.prefill_s_per_token is None
     admission.prefilled(100, 0.5)
     assert service.state.pace.prefill_s_per_token is not None
+
+
+def test_a_request_waits_for_its_blocks_read_ahead_until_they_land_or_its_wait_is_over(monkeypatch):
+    """A request whose saved blocks are read ahead while a batch runs waits for them (the dequeue polls
+    briefly, as nothing new is awaited), and joins once they land; a read that outlasts
+    ``READ_AHEAD_WAIT_S`` is waited for no longer, to the deadline itself."""
+    from kvstate.interpreters.serving import batch_admission as module
+    clock = [500.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    saved = list(range(1, 13))
+    for lands in (True, False):
+        service = _restarted_with_saved_blocks(tuple(saved))
+        reads, held = service._interpreter.complete_reads, [True]  # a slow disk: the read lands when let go
+        monkeypatch.setattr(service._interpreter, "complete_reads", lambda: [] if held[0] else reads())
+        admission = BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=0.0, read_ahead=True)
+        (row, busy), arrivals, take, tokenize = _items([(list(range(200, 230)), 4), (saved + [50, 51], 4)])
+        timeouts = []
+
+        def polled(timeout):
+            timeouts.append(timeout)
+            return take(timeout)
+        arrivals.append(row)
+        admission.next_admitted(take, tokenize, 0)
+        admission.placed([1], segments=[[list(range(200, 230))]], cached=[[]])
+        arrivals.append(busy)
+        assert admission.next_admitted(polled, tokenize, 1.0) is None  # its read started: it waits
+        assert admission.next_admitted(polled, tokenize, 1.0) is None
+        assert timeouts[-1] == module.READ_POLL_S  # nothing else awaited: the dequeue only polls
+        if lands:
+            held[0] = False
+            assert admission.next_admitted(polled, tokenize, 1.0) is busy
+            assert service.peek_prefix_len(saved + [50, 51], "default") == len(saved)
+        else:
+            clock[0] += module.READ_AHEAD_WAIT_S - 0.001
+            assert admission.next_admitted(polled, tokenize, 1.0) is None
+            clock[0] = 500.0 + module.READ_AHEAD_WAIT_S  # the deadline itself: it goes on without its blocks
+            assert admission.next_admitted(polled, tokenize, 1.0) is busy
