@@ -269,3 +269,25 @@ def test_a_request_waits_for_its_blocks_read_ahead_until_they_land_or_its_wait_i
             assert admission.next_admitted(polled, tokenize, 1.0) is None
             clock[0] = 500.0 + module.READ_AHEAD_WAIT_S  # the deadline itself: it goes on without its blocks
             assert admission.next_admitted(polled, tokenize, 1.0) is busy
+
+
+def test_a_pin_is_taken_when_the_reply_is_kept_not_at_a_segments_end():
+    """A request's ``cache_pin_seconds`` pins its prompt once the state at the end of its reply is kept;
+    the inserts at its segments' ends before that pin nothing."""
+    from kvstate.interpreters.serving.pins import PIN_ATTRIBUTE, PinAsked
+    from tests.test_prompt_cache import MODEL_KEY, adapter, computed
+    model, cache = adapter()
+    admission = BatchAdmission(cache, share_wait_s=0.0)
+    system, user = list(range(1, 41)), list(range(100, 120))
+    (item,), arrivals, take, tokenize = _items([(system + user, 4)])
+    setattr(item[1], PIN_ATTRIBUTE, PinAsked(60.0))
+    arrivals.append(item)
+    assert admission.next_admitted(take, tokenize, 0) is item
+    admission.placed([3], segments=[[system, user]], cached=[[]])
+    admission.publishing(3, system)  # the system prompt's segment ends: kept, not pinned
+    cache.insert_cache(MODEL_KEY, system, computed(model, system), cache_type="system")
+    assert cache.service.report().pins == 0 and cache.service.report().kept == 1
+    reply = system + user + [7, 8]
+    admission.publishing(3, reply, final=True)
+    cache.insert_cache(MODEL_KEY, reply, computed(model, reply))
+    assert cache.service.report().pins == 1
