@@ -175,16 +175,16 @@ def test_no_wait_for_a_shared_prefix_without_a_share_wait_and_a_wait_ends_at_its
 
     clock = [1000.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
-    service, admission = _admission(share_wait_s=5.0)
+    service, admission = _admission(share_wait_s=0.5)
     (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)])
     arrivals.append(row)
     admission.next_admitted(take, tokenize, 0)
     admission.placed([7], segments=[[system, user]], cached=[[]])
     arrivals.append(a)
     assert admission.next_admitted(take, tokenize, 0) is None and admission.shared_waits == 1
-    clock[0] += 4.999
+    clock[0] += 0.499
     assert admission.next_admitted(take, tokenize, 0) is None
-    clock[0] = 1005.0  # the deadline itself: the wait is over
+    clock[0] = 1000.5  # the deadline itself: the wait is over
     assert admission.next_admitted(take, tokenize, 0) is a
 
 
