@@ -89,4 +89,4 @@ def client(endpoint: str):
     """A boto3 S3 client of the test store (any credentials do)."""
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="kvstate", aws_secret_access_key="kvstate",
                         region_name="us-east-1",
-                        config=botocore.config.Config(connect_timeout=2, read_timeout=10, retries={"max_attempts": 1}))
+                        config=botocore.config.Config(connect_timeout=10, read_timeout=60, retries={"max_attempts": 1}))

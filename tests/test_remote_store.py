@@ -146,7 +146,8 @@ def test_two_services_on_one_bucket_a_conversation_continues_on_the_other(llama,
                                                                           credentials):
     model, config = llama
     prompt = tuple(range(3, 3 + 3 * SIZE + 5))
-    shared = {"remote": f"s3://{object_store.bucket}/{tmp_path.name}", "remote_endpoint": object_store.endpoint}
+    shared = {"remote": f"s3://{object_store.bucket}/{tmp_path.name}", "remote_endpoint": object_store.endpoint,
+              "remote_timeout_s": 60.0}  # a busy machine's store may answer slowly: not a failure here
     first = service_for(model, config, tmp_path / "a", **shared)
     turn(first, model, prompt)
     assert first.flush().durable
@@ -167,7 +168,7 @@ def test_two_services_on_one_bucket_a_conversation_continues_on_the_other(llama,
 def test_a_store_killed_mid_run_changes_no_answer(llama, tmp_path, credentials):
     model, config = llama
     store = ObjectStore(tmp_path / "seaweedfs")
-    shared = {"remote": f"s3://{store.bucket}/killed", "remote_endpoint": store.endpoint}
+    shared = {"remote": f"s3://{store.bucket}/killed", "remote_endpoint": store.endpoint, "remote_timeout_s": 60.0}
     try:
         first = service_for(model, config, tmp_path / "a", **shared)
         prompt = tuple(range(60, 60 + 2 * SIZE + 3))
@@ -240,3 +241,12 @@ def test_a_store_that_answers_errors_or_hangs_changes_no_answer(llama, tmp_path,
         service.close()
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), True, "5"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(llama, tmp_path, timeout):
+    from kvstate.core.errors import InvalidConfig
+    model, config = llama
+    with pytest.raises(InvalidConfig, match="remote_timeout_s must be a positive number of seconds"):
+        service_for(model, config, tmp_path / "a", remote="s3://kvstate-fleet/x", remote_timeout_s=timeout)
+    service_for(model, config, tmp_path / "a").close()  # refused before anything was held: the directory is free

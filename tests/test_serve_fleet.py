@@ -45,7 +45,7 @@ def wait_for_objects(store: ObjectStore, prefix: str, count: int, server: Server
 def test_a_conversation_moves_between_servers_through_the_bucket_and_faults_change_no_answer(model_dir, tmp_path):
     store = ObjectStore(tmp_path / "seaweedfs")
     environment = {**os.environ, **CREDENTIALS}
-    shared = ("--remote", f"s3://{store.bucket}/serve", "--remote-endpoint", store.endpoint,
+    shared = ("--remote", f"s3://{store.bucket}/serve", "--remote-endpoint", store.endpoint, "--remote-timeout", "60",
               "--salt-key-file", str(tmp_path / "salt.key"), "--ram-bytes", "64MiB", "--disk-bytes", "256MiB")
     conversation = [SYSTEM, {"role": "user", "content": LONG}]
     servers, stock = [], None
@@ -97,6 +97,8 @@ def test_a_conversation_moves_between_servers_through_the_bucket_and_faults_chan
     (("--remote", "s3://kvstate-fleet/x"), "needs --disk-dir"),
     (("--remote", "http://bucket/x", "--disk-dir", "DISK"), "is not s3://BUCKET"),
     (("--remote-endpoint", "http://127.0.0.1:9"), "needs --remote"),
+    (("--remote-timeout", "10"), "needs --remote"),
+    (("--remote", "s3://kvstate-fleet/x", "--disk-dir", "DISK", "--remote-timeout", "0"), "positive number of seconds"),
     (("--remote", "s3://kvstate-fleet/x", "--disk-dir", "DISK", "--block-tokens", "0"), "needs state in blocks"),
 ])
 def test_shared_tier_flags_that_cannot_work_are_refused_in_one_line(model_dir, tmp_path, arguments, says):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import queue
 import threading
 import time
@@ -520,7 +521,8 @@ def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
               spec: ModelSpec | None = None, verify: bool = True, background_writes: bool = True,
               policy: str = "lru", root_budget: Any = None, write_file: Callable | None = None,
               weights_dir: str | None = None, disk_loader: str | None = None, remote: Any = None,
-              remote_endpoint: str | None = None, **options: Any) -> tuple[ServiceConfig, "MlxInterpreter"]:
+              remote_endpoint: str | None = None, remote_timeout_s: float = 5.0,
+              **options: Any) -> tuple[ServiceConfig, "MlxInterpreter"]:
     """The config and the MLX interpreter of a service for a loaded mlx-lm ``model``
     (``KvCacheService.for_mlx`` builds the service from them).
 
@@ -542,8 +544,13 @@ def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
     ``s3://BUCKET[/PREFIX]`` (at ``remote_endpoint``, an S3-compatible
     store's URL; None: AWS's) or a built
     :class:`~kvstate.interpreters.fleet.remote_store.RemoteStore`, adds the
-    tier a fleet shares (:mod:`~kvstate.core.remote`; needs the disk tier).
+    tier a fleet shares (:mod:`~kvstate.core.remote`; needs the disk tier);
+    ``remote_timeout_s`` bounds each call to a store given by its URL (a
+    block is one call: give a slow link the time its largest block takes).
     """
+    if isinstance(remote_timeout_s, bool) or not isinstance(remote_timeout_s, (int, float)) or not (
+            0 < remote_timeout_s < math.inf):
+        raise InvalidConfig(f"remote_timeout_s must be a positive number of seconds, got {remote_timeout_s!r}")
     spec = spec or spec_from_model(model, name)
     fingerprint = weights_fingerprint(weights_dir) if weights_dir is not None else model_fingerprint(model, config)
     config_fingerprint = hashlib.blake2b(f"{fingerprint}:{spec!r}".encode(), digest_size=12).hexdigest()
@@ -564,7 +571,8 @@ def mlx_parts(model: Any, *, ram_bytes: int, kv_budget_bytes: int | None = None,
             options["remote_tier"] = True
             if isinstance(remote, str):
                 from kvstate.interpreters.fleet.remote_store import RemoteStore
-                remote = RemoteStore(remote, identity.encoded(), endpoint_url=remote_endpoint, clock=time.monotonic)
+                remote = RemoteStore(remote, identity.encoded(), endpoint_url=remote_endpoint, clock=time.monotonic,
+                                     timeout_s=float(remote_timeout_s))
         service_config = ServiceConfig(model=spec, ram_capacity_bytes=ram_bytes, kv_budget_bytes=kv_budget_bytes,
                                        disk_capacity_bytes=disk_bytes, policy=policy, identity=identity.encoded(),
                                        **options)

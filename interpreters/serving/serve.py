@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -432,6 +433,10 @@ def kvstate_options() -> argparse.ArgumentParser:
                              "extra)")
     parser.add_argument("--remote-endpoint", default=None, metavar="URL",
                         help="the object store's URL, for a store that is not AWS's (SeaweedFS, MinIO, Garage)")
+    parser.add_argument("--remote-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long one call to the shared tier may take before it counts as failed (a block "
+                             f"is one call: give a slow link the time its largest block takes; default "
+                             f"{REMOTE_TIMEOUT_S:g})")
     parser.add_argument("--salt-key-file", default=None, metavar="PATH",
                         help="the key tenants' namespaces are hashed with (made there if missing): give the "
                              "servers that share --remote one key, so a tenant's state is found on each "
@@ -471,6 +476,10 @@ SNAPSHOT_EVERY = 2048
 SHARED_PREFIX_WAIT_S = 5.0
 
 
+#: How long one call to the shared tier may take by default (a fetch or write of one block).
+REMOTE_TIMEOUT_S = 5.0
+
+
 def default_shared_prefix_wait() -> float:
     """:data:`SHARED_PREFIX_WAIT_S`, but 0 on a CUDA device: measured on an H200, six rows prefilled
     together cost about what one does, so waiting for the first row's publish only serialises them
@@ -500,7 +509,8 @@ def build_prompt_cache(model_provider: Any, options: argparse.Namespace) -> KvSt
         block_tokens=options.block_tokens or None, pin_share=options.pin_share,
         max_pin_seconds=options.max_pin_seconds, checkpoint_every_tokens=options.checkpoint_every,
         checkpoint_keep_s=options.checkpoint_keep if options.checkpoint_every is not None else None,
-        block_events=options.kv_events is not None, remote=options.remote, remote_endpoint=options.remote_endpoint)
+        block_events=options.kv_events is not None, remote=options.remote, remote_endpoint=options.remote_endpoint,
+        remote_timeout_s=options.remote_timeout or REMOTE_TIMEOUT_S)
     cache = KvStatePromptCache(service, model_provider.model_key, unannounced=None)
     cache.template_tokens = chat_template_prefix(tokenizer)
     if options.disk_dir is not None:
@@ -712,7 +722,11 @@ def remote_refusal(options: argparse.Namespace) -> str | None:
     if options.remote is None:
         if options.remote_endpoint is not None:
             return "--remote-endpoint needs --remote s3://BUCKET[/PREFIX]: the tier it serves"
+        if options.remote_timeout is not None:
+            return "--remote-timeout needs --remote s3://BUCKET[/PREFIX]: the tier it bounds"
         return None
+    if options.remote_timeout is not None and not 0 < options.remote_timeout < math.inf:
+        return f"--remote-timeout is a positive number of seconds, got {options.remote_timeout:g}"
     from kvstate.interpreters.fleet.remote_store import BadRemoteUrl, parse_remote
     try:
         parse_remote(options.remote)
