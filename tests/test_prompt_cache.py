@@ -108,8 +108,8 @@ def test_a_reuse_of_no_more_than_the_templates_opening_is_counted_apart_and_only
     model, cache = adapter()
     prompt = list(range(1, 41))
     cache.insert_cache(MODEL_KEY, prompt[:2], computed(model, prompt[:2]))
-    caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt[:2] + [77])
-    assert caches[0].offset == 2 and cache.template_only_hits == 0  # no template told: no hit is the template's
+    caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt[:1] + [77])
+    assert caches[0].offset == 1 and cache.template_only_hits == 0  # no template told: no hit is the template's
     cache.template_tokens = 2
     cache.fetch_nearest_cache(MODEL_KEY, prompt[:1] + [77])  # a reuse of 1 token, within the template's 2
     cache.fetch_nearest_cache(MODEL_KEY, prompt[:2] + [77])  # of 2, the template's whole opening
@@ -251,3 +251,21 @@ def test_a_prefills_chunk_is_kept_only_where_its_snapshot_is_worth_its_bytes_and
     assert service.report().snapshots_passed_up == 1 and service.peek_prefix_len(prompt + [99], "default") == 0
     cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="user")
     assert service.peek_prefix_len(prompt + [99], "default") == 8
+
+
+def test_a_keep_that_spills_says_so_with_the_bytes_it_kept(tmp_path, caplog):
+    import logging
+
+    from kvstate.core.checks import size_text
+    from kvstate.interpreters.mlx import caches as mlx_caches
+
+    model, cache = adapter(tmp_path, ram_bytes=30 << 10)  # room for one 40-token state: a second spills the first
+    first, second = list(range(1, 41)), list(range(100, 140))
+    with caplog.at_level(logging.INFO):
+        cache.insert_cache(MODEL_KEY, first, computed(model, first))
+        caches = computed(model, second)
+        cache.insert_cache(MODEL_KEY, second, caches)
+    lines = [r.getMessage() for r in caplog.records if "state of 40 tokens" in r.getMessage()]
+    assert f"({size_text(mlx_caches.live_bytes(caches))}) kept" in lines[1]
+    assert "spill" not in lines[0] and "; 1 spill begun, " in lines[1] and lines[1].endswith("written to disk")
+    assert cache.service.flush().durable

@@ -207,6 +207,7 @@ class KvStatePromptCache:
         if recorded:
             self.recorder.answered(namespace, tuple(tokens), len(key))
         request = Request(key, 1)
+        before = self.service.counts()
         try:
             kept = self.service.publish(request, namespace, key, prompt_cache, chunk=cache_type == "chunk")
         except KvStateError:
@@ -219,8 +220,9 @@ class KvStatePromptCache:
         self.service.boundary()
         if self.disk_notices is not None:
             self.disk_notices.check()
-        logging.info("kvstate: %s state of %d tokens %s in %.1f ms", cache_type, len(key),
-                     "kept" if kept else "not kept", 1e3 * (time.perf_counter() - started))
+        logging.info("kvstate: %s state of %d tokens (%s) %s in %.1f ms%s", cache_type, len(key),
+                     size_text(mlx_caches.live_bytes(prompt_cache)), "kept" if kept else "not kept",
+                     1e3 * (time.perf_counter() - started), _disk_work(before, self.service.counts()))
 
     def _tick(self) -> None:
         """Read the service's clock into it, on the generation thread (where a spill may copy arrays)."""
@@ -266,3 +268,11 @@ class KvStatePromptCache:
             for key in [k for k in self._types if k not in held]:
                 del self._types[key]
         return stats
+
+
+def _disk_work(before: Any, after: Any) -> str:
+    """What a step started and finished on the disk, for its log line: spills begun, bytes written."""
+    spills, written = after.spills - before.spills, after.bytes_written - before.bytes_written
+    if not spills and not written:
+        return ""
+    return f"; {spills} spill{'s' if spills != 1 else ''} begun, {size_text(written)} written to disk"
