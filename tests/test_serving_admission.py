@@ -160,27 +160,29 @@ def test_under_a_full_budget_a_later_request_never_overtakes_an_earlier_one_wait
     assert admission.next_admitted(take, tokenize, None) is a
 
 
+def _sharer_behind_a_row(share_wait_s):
+    """An admission whose row in prefill will publish a system prompt, and A, which shares it, arriving:
+    the admission, A, and ``take``, ``tokenize``."""
+    system, user = list(range(1, 101)), list(range(500, 520))
+    _, admission = _admission(share_wait_s=share_wait_s)
+    (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)])
+    arrivals.append(row)
+    admission.next_admitted(take, tokenize, 0)
+    admission.placed([7], segments=[[system, user]], cached=[[]])
+    arrivals.append(a)
+    return admission, a, take, tokenize
+
+
 def test_no_wait_for_a_shared_prefix_without_a_share_wait_and_a_wait_ends_at_its_deadline(monkeypatch):
     """``share_wait_s`` 0 turns the wait off (none counted); otherwise a request waits until exactly its
     deadline, on the clock admission reads."""
     from kvstate.interpreters.serving import batch_admission as module
-    system, user = list(range(1, 101)), list(range(500, 520))
-    service, admission = _admission(share_wait_s=0.0)
-    (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)])
-    arrivals.append(row)
-    admission.next_admitted(take, tokenize, 0)
-    admission.placed([7], segments=[[system, user]], cached=[[]])
-    arrivals.append(a)
+    admission, a, take, tokenize = _sharer_behind_a_row(0.0)
     assert admission.next_admitted(take, tokenize, 0) is a and admission.shared_waits == 0
 
     clock = [1000.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
-    service, admission = _admission(share_wait_s=0.5)
-    (row, a), arrivals, take, tokenize = _items([(system + user, 4), (system + list(range(900, 910)), 4)])
-    arrivals.append(row)
-    admission.next_admitted(take, tokenize, 0)
-    admission.placed([7], segments=[[system, user]], cached=[[]])
-    arrivals.append(a)
+    admission, a, take, tokenize = _sharer_behind_a_row(0.5)
     assert admission.next_admitted(take, tokenize, 0) is None and admission.shared_waits == 1
     clock[0] += 0.499
     assert admission.next_admitted(take, tokenize, 0) is None
