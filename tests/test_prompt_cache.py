@@ -268,4 +268,13 @@ def test_a_keep_that_spills_says_so_with_the_bytes_it_kept(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "state of 40 tokens" in r.getMessage()]
     assert f"({size_text(mlx_caches.live_bytes(caches))}) kept" in lines[1]
     assert "spill" not in lines[0] and "; 1 spill begun, " in lines[1] and lines[1].endswith("written to disk")
+    third = list(range(200, 240))
+    before = cache.service.counts()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        cache.insert_cache(MODEL_KEY, third, computed(model, third))  # spills the second: one more begun
+    after = cache.service.counts()
+    line = next(r.getMessage() for r in caplog.records if "state of 40 tokens" in r.getMessage())
+    assert after.spills - before.spills == 1
+    assert line.endswith(f"; 1 spill begun, {size_text(after.bytes_written - before.bytes_written)} written to disk")
     assert cache.service.flush().durable
