@@ -131,7 +131,8 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
     """Seconds of a verified restore of a ``tokens``-token prefix at the Llama-3.1-8B geometry (128
     KiB a token in bf16): read whole from one file; from its block files read into place (as restores
     in blocks run), or one file at a time and then joined (and those loads alone); against the fastest plain read of the whole file's bytes
-    into a reused buffer (``bench/disk.py``'s floor). Freed memory is kept for reuse, as in
+    into a reused buffer (``bench/disk.py``'s floor); and the CPU time of the raw read, of hashing its
+    bytes and of the chain read into place (:func:`cpu_times`). Freed memory is kept for reuse, as in
     ``kvstate serve``; each figure the best of ``repeat``."""
     import mlx.core as mx
     import numpy as np
@@ -196,7 +197,7 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
         path = str(store.prefix_path(key))
         buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
         raw = fastest_read(path, buffer, repeat)
-        floor = cpu_times(path, buffer, blocks, repeat)
+        cpu = cpu_times(path, buffer, blocks, repeat)
         figures = {"whole": best(whole, repeat), "blocks, into place": best(blocks, repeat),
                    "blocks, then joined": best(blocks_joined, repeat), "blocks, not joined": best(blocks_unjoined, repeat),
                    "read ahead": best(read_ahead, repeat), "read ahead, joined": best(read_ahead_joined, repeat),
@@ -206,8 +207,8 @@ def restore_figures(tokens: int, block_tokens: int, repeat: int) -> None:
         for name, seconds in figures.items():
             print(f"  {name:18} {seconds * 1e3:8.0f} ms  {seconds / raw:5.2f}x the raw read")
         print(f"  CPU time (user + system, all threads, the fastest run's): the parallel raw read "
-              f"{floor['raw'] * 1e3:.0f} ms, hashing its bytes {floor['hash'] * 1e3:.0f} ms, the chain read into "
-              f"place {floor['chain'] * 1e3:.0f} ms ({floor['chain'] - floor['raw'] - floor['hash']:+.3f} s beyond "
+              f"{cpu['raw'] * 1e3:.0f} ms, hashing its bytes {cpu['hash'] * 1e3:.0f} ms, the chain read into "
+              f"place {cpu['chain'] * 1e3:.0f} ms ({(cpu['chain'] - cpu['raw'] - cpu['hash']) * 1e3:+.0f} ms beyond "
               f"the read and the hash)")
 
 

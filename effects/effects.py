@@ -216,8 +216,8 @@ class FetchRemote(Effect):
     block ``after`` at position ``start``) from the shared tier, stopping at the first it cannot give
     or that fails its checks; where it lacks one (or has them all), then the longest partial block it
     holds after the last one read whose tokens ``prompt`` (the request's) goes on with (one that
-    covers it all serves it cut back, as any trimmable state). Each verified block is kept on disk as a saved block; completes (``RemoteFetched``),
-    possibly later."""
+    covers it all serves it cut back, as any trimmable state). Each verified block is kept on disk as
+    a saved block; completes (``RemoteFetched``), possibly later."""
 
     names: tuple[BlockName, ...]
     namespace: str
