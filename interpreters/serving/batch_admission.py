@@ -85,8 +85,13 @@ class BatchAdmission:
 
     def __init__(self, cache: KvStatePromptCache, share_wait_s: float = 5.0,
                  min_shared_tokens: int = MIN_SHARED_TOKENS, snapshot_every: int | None = None,
-                 read_ahead: bool = False, resumption: Resumption | None = None):
+                 read_ahead: bool = False, resumption: Resumption | None = None, hold_segments: bool = False):
         self.cache = cache
+        #: A row's segment ends are kept once it has generated its first token, not between its prefill
+        #: and that token (:mod:`~kvstate.interpreters.serving.prompt_cache`); the batch generator's
+        #: steps keep them (:meth:`before_step`).
+        cache.holds_segments = hold_segments
+        self._generating: set[int] = set()        # batch uids that have generated a token
         #: How generations with a client key are checkpointed and resumed (None: they are not).
         self.resumption = resumption
         #: Where a model's layers cannot all be cut into blocks: a row's state is kept as a snapshot
@@ -332,7 +337,18 @@ class BatchAdmission:
         """Row ``uid``'s caches over ``tokens`` go to the server's next insert: in the row's namespace (a
         row of no known request: nowhere, the insert keeps nothing). The ``final`` insert, at the end of
         its generation, pins the row's prompt where its request asked."""
-        self.cache.announce(tokens, self._namespaces.get(uid), self._pins.get(uid) if final else None)
+        self.cache.announce(tokens, self._namespaces.get(uid), self._pins.get(uid) if final else None, row=uid)
+
+    def before_step(self) -> None:
+        """A batch step is about to run: the segment ends held for rows that have generated are kept
+        now, while the device computes what the last step queued (the first token already out)."""
+        if self._generating:
+            self.cache.keep_held(self._generating)
+
+    def generated(self, generation_responses: Any) -> None:
+        """Rows that generated a token in the step that just ran."""
+        for response in generation_responses:
+            self._generating.add(response.uid)
 
     def due_snapshots(self, prompt_responses: Any) -> list[int]:
         """The rows in prefill whose state passed a multiple of ``snapshot_every`` tokens since their
@@ -362,7 +378,9 @@ class BatchAdmission:
     def ended(self, uids: Any, completed: bool = True) -> None:
         """Rows ``uids`` left the batch, their generations ``completed`` or not (removed, or the server
         stopping): a resumable one that did not complete keeps its checkpoint for a retry."""
+        self.cache.keep_held(set(uids))
         for uid in uids:
+            self._generating.discard(uid)
             self._snapshotted.pop(uid, None)
             self._namespaces.pop(uid, None)
             self._pins.pop(uid, None)
@@ -373,6 +391,7 @@ class BatchAdmission:
                 self.service.release(lease, completed=completed or (generation is not None and generation.finished))
 
     def close(self) -> None:
+        self.cache.keep_held()
         self.ended(list(self._rows), completed=False)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
@@ -458,7 +477,9 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
         def next(self):
             counters = getattr(self, "_counters", None)
             before = (counters.prompt_tokens, counters.prompt_time) if counters is not None else None
+            admission.before_step()
             prompt_responses, generation_responses = super().next()
+            admission.generated(generation_responses)
             if before is not None:
                 admission.prefilled(counters.prompt_tokens - before[0], counters.prompt_time - before[1])
             admission.progressed(prompt_responses)

@@ -9,6 +9,13 @@ answers all of these through the service, so the server gains kvstate's reuse
 rules, eviction policies, disk tier, restart and metrics with nothing else
 changed. Segment ends become kept snapshots: a hybrid or sliding-window model,
 whose caches serve only their exact length, reuses a shared system prompt.
+
+The server offers a row's segment ends between its prefill and its first token, so the keep's work
+on the generation thread (cutting blocks, deciding them) would lie on the request's time to first
+token. Where the batch generator says when a row has begun generating
+(:mod:`~kvstate.interpreters.serving.batch_admission`), a segment end is held until then and kept
+at the next step, while the device computes the step queued before it; anything that may read it
+first (a fetch, another insert, a trim) keeps it before it does.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections import deque
 from typing import Any, Iterator
 
 import attrs
+import mlx.core as mx
 
 from kvstate.core.checks import size_text
 from kvstate.core.errors import KvStateError
@@ -36,6 +44,20 @@ CACHE_TYPES = ("assistant", "user", "system", "chunk")
 MAX_ANNOUNCED = 4096
 #: How often ``stats_by_type`` (a pass over every entry, logged by the server per request) is redone.
 STATS_EVERY_S = 1.0
+#: The segment ends the server offers before a row's first token: kept after it, where rows are known.
+SEGMENT_TYPES = ("system", "user")
+
+
+@attrs.frozen
+class HeldSegment:
+    """A batch row's segment end, offered and not kept yet: kept once its row generates."""
+
+    row: int
+    namespace: str
+    pin: PinAsked | None
+    tokens: tuple[int, ...]
+    caches: list
+    cache_type: str
 
 
 class KvStatePromptCache:
@@ -67,7 +89,11 @@ class KvStatePromptCache:
         self._lock = threading.Lock()
         self._types: dict[tuple[str, tuple[int, ...]], str] = {}
         self._expected: dict[tuple[int, ...], tuple[Request, str, Any]] = {}
-        self._announced: dict[tuple[int, ...], deque[tuple[str | None, PinAsked | None]]] = {}
+        self._announced: dict[tuple[int, ...], deque[tuple[str | None, PinAsked | None, int | None]]] = {}
+        #: Whether a batch row's segment ends wait for its first token (:meth:`keep_held`; set by the
+        #: batch generator's side, which calls it) instead of being kept when offered.
+        self.holds_segments = False
+        self._held: list[HeldSegment] = []
         self._stats: tuple[float, dict] | None = None
         #: Told of every request's fetch and of the state kept at the end of its reply, where the server
         #: records its traffic (:mod:`~kvstate.interpreters.serving.trace_recording`); None: not recorded.
@@ -105,20 +131,22 @@ class KvStatePromptCache:
             if expected[0] is request:
                 del self._expected[key]
 
-    def announce(self, tokens: Any, namespace: str | None, pin: PinAsked | None = None) -> None:
+    def announce(self, tokens: Any, namespace: str | None, pin: PinAsked | None = None,
+                 row: int | None = None) -> None:
         """The server's next insert of ``tokens`` is a row of ``namespace``'s (inserts of the same
         tokens take the announced namespaces in order); None: of no known request, kept nowhere. With
-        ``pin``, the prefix it names is pinned once the state is kept (:mod:`~kvstate.interpreters.serving.pins`)."""
+        ``pin``, the prefix it names is pinned once the state is kept (:mod:`~kvstate.interpreters.serving.pins`).
+        ``row``: the batch row it is from, so a segment end may be held until that row generates."""
         with self._lock:
             if len(self._announced) >= MAX_ANNOUNCED:
                 self._announced.pop(next(iter(self._announced)))
-            self._announced.setdefault(tuple(tokens), deque()).append((namespace, pin))
+            self._announced.setdefault(tuple(tokens), deque()).append((namespace, pin, row))
 
-    def _announced_namespace(self, key: tuple[int, ...]) -> tuple[str | None, PinAsked | None]:
+    def _announced_namespace(self, key: tuple[int, ...]) -> tuple[str | None, PinAsked | None, int | None]:
         with self._lock:
             waiting = self._announced.get(key)
             if not waiting:
-                return self.unannounced, None
+                return self.unannounced, None, None
             announced = waiting.popleft()
             if not waiting:
                 del self._announced[key]
@@ -142,6 +170,7 @@ class KvStatePromptCache:
         caller owns) and the tokens left to compute; ``(None, tokens)`` for a miss."""
         if model != self.model_key or not tokens:
             return None, tokens
+        self.keep_held()  # a held segment end may be what this prompt reuses
         key = tuple(tokens)
         admitted, namespace, acquired = self._expected.pop(key, (None, self._serving or self.unannounced, None))
         if self._serving_pin is not None and not self._serving_pin.prompt_tokens:
@@ -180,7 +209,8 @@ class KvStatePromptCache:
                      cache_type: str = "assistant") -> None:
         """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
         key = tuple(tokens)
-        namespace, pin = (self._serving, self._serving_pin) if self._serving else self._announced_namespace(key)
+        namespace, pin, row = ((self._serving, self._serving_pin, None) if self._serving
+                               else self._announced_namespace(key))
         if model != self.model_key or not key or not prompt_cache:
             return
         if namespace is None:
@@ -196,6 +226,29 @@ class KvStatePromptCache:
             if recorded:
                 self.recorder.answered(namespace, tuple(tokens), 0)  # answered; nothing of it kept
             return
+        if row is not None and self.holds_segments and cache_type in SEGMENT_TYPES:
+            # Computed now, on the caller's stream, so the held copies share nothing with the batch's arrays.
+            mx.async_eval(mlx_caches.arrays_of(prompt_cache))
+            with self._lock:
+                self._held.append(HeldSegment(row, namespace, pin, key, prompt_cache, cache_type))
+            return
+        self.keep_held()  # in the order offered
+        self._keep(namespace, pin, key, tokens, prompt_cache, cache_type)
+
+    def keep_held(self, rows: Any = None) -> None:
+        """Keep the segment ends held for ``rows`` (None: every row), in the order they were offered."""
+        with self._lock:
+            if not self._held:
+                return
+            due = [held for held in self._held if rows is None or held.row in rows]
+            self._held = [held for held in self._held if not (rows is None or held.row in rows)]
+        for held in due:
+            self._keep(held.namespace, held.pin, held.tokens, held.tokens, held.caches, held.cache_type)
+
+    def _keep(self, namespace: str, pin: PinAsked | None, key: tuple[int, ...], tokens: Any, prompt_cache: list,
+              cache_type: str) -> None:
+        """Offer ``prompt_cache`` over ``key`` (the server's ``tokens``) to the service, in ``namespace``."""
+        recorded = self.recorder is not None and cache_type == "assistant"
         self._tick()
         started = time.perf_counter()
         covered = mlx_caches.covered(prompt_cache)
@@ -232,6 +285,7 @@ class KvStatePromptCache:
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Give RAM entries back (spilled first with a disk tier) until at most ``n_sequences`` and
         ``n_bytes`` are held: what the running batch leaves of the server's prompt-cache budget."""
+        self.keep_held()
         self.service.boundary(max_entries=None if n_sequences is None else max(0, n_sequences),
                               max_bytes=None if n_bytes is None else max(0, n_bytes))
 

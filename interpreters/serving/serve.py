@@ -582,7 +582,8 @@ def serve(options: argparse.Namespace, server_argv: Sequence[str]) -> int:
         if options.checkpoint_every is not None:
             resumption = Resumption(cache.service, options.checkpoint_every, server, model_provider)
         admission = BatchAdmission(cache, share_wait_s=wait, snapshot_every=snapshot_every or None,
-                                   read_ahead=options.read_ahead, resumption=resumption)
+                                   read_ahead=options.read_ahead, resumption=resumption,
+                                   hold_segments=True)
         # The generation thread builds its BatchGenerator by this module-level name.
         server.BatchGenerator = measured_batch_generator(previous_batch, admission)
         generator = admitting_generator(server, admission)(model_provider, cache)
