@@ -102,3 +102,69 @@ def test_a_warm_prompt_file_that_is_not_messages_stops_the_server_with_a_message
     done = subprocess.run([sys.executable, "-m", "kvstate.interpreters.cli", "serve", "--model", str(model_dir),
                            "--warm-prompt", str(bad)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "a string 'role' and 'content'" in done.stderr
+
+
+# ------------------------------------------------------------ the request's pin and warm prompt files, alone
+
+@pytest.mark.parametrize("seconds", [0.5, 7, 600.25])
+def test_a_pin_of_any_positive_finite_seconds_is_taken_as_given(seconds):
+    from kvstate.interpreters.serving.pins import pin_seconds
+    assert pin_seconds(seconds) == float(seconds)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1, float("inf"), float("nan"), True, "30", None])
+def test_a_pin_of_no_time_endless_or_not_a_number_is_refused(value):
+    from kvstate.interpreters.serving.pins import BadPinSeconds, pin_seconds
+    with pytest.raises(BadPinSeconds, match="positive number of seconds"):
+        pin_seconds(value)
+
+
+@pytest.mark.parametrize("prompt_tokens", [None, 30])
+def test_a_kept_state_is_pinned_over_the_prompt_the_request_asked_for(prompt_tokens):
+    """A pin whose prompt was never told pins all the kept tokens; one told its prompt pins that much
+    (state in blocks of 10: the pinned blocks are the prompt's)."""
+    from kvstate import KvCacheService, Request, SimCaches
+    from kvstate.interpreters.serving.pins import PinAsked, pin_kept
+    from kvstate.models import model_spec
+    spec = model_spec("qwen3-0.6b")
+    service = KvCacheService.simulated(spec, ram_bytes=spec.bytes_for(4096), block_tokens=10)
+    tokens = tuple(range(1, 51))
+    service.publish(Request(tokens, 1), "default", tokens, SimCaches(tokens, spec))
+    pin_kept(service, "default", tokens, PinAsked(60.0) if prompt_tokens is None else PinAsked(60.0, prompt_tokens))
+    report = service.report()
+    assert report.pins == 1
+    assert report.pinned_bytes == spec.bytes_for(prompt_tokens or len(tokens))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from mlx_lm.utils import load_tokenizer
+    return load_tokenizer(model_dir)
+
+
+def test_a_warm_prompt_of_messages_is_the_chat_templates_start_and_plain_text_is_encoded(tokenizer, tmp_path):
+    from kvstate.interpreters.serving.pins import warm_prompt_tokens
+    messages = [SYSTEM]
+    as_json = tmp_path / "system.json"
+    as_json.write_text(json.dumps(messages))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    assert tokenizer.has_chat_template
+    assert warm_prompt_tokens(as_json, tokenizer) == tuple(rendered["input_ids"] if hasattr(rendered, "keys")
+                                                           else rendered)
+    as_text = tmp_path / "system.txt"
+    as_text.write_text(SYSTEM["content"])
+    assert warm_prompt_tokens(as_text, tokenizer) == tuple(tokenizer.encode(SYSTEM["content"]))
+
+
+def test_messages_for_a_tokenizer_that_knows_no_chat_template_are_their_contents_encoded(model_dir, tmp_path):
+    """A tokenizer that does not say it has a chat template (a bare Hugging Face one) encodes the
+    messages' contents, a line each."""
+    from transformers import AutoTokenizer
+
+    from kvstate.interpreters.serving.pins import warm_prompt_tokens
+    bare = AutoTokenizer.from_pretrained(str(model_dir))
+    assert not hasattr(bare, "has_chat_template")
+    messages = [SYSTEM, {"role": "user", "content": "A first question."}]
+    path = tmp_path / "start.json"
+    path.write_text(json.dumps({"messages": messages}))
+    assert warm_prompt_tokens(path, bare) == tuple(bare.encode("\n".join(m["content"] for m in messages)))
