@@ -19,12 +19,18 @@
   read of the same file into a reused buffer and into memory allocated for it, and MLX allocating
   and filling as many bytes on its own (what its memory costs before any byte is read).
 
+- ``ram-hit``: a RAM hit's caches as the generation loop takes them into its batch (``BatchKVCache.merge``),
+  at the 8B geometry and 2,816 tokens: assembled from the chain's blocks of 256 (a concatenation of 11
+  spans a layer), against stock's ``copy.deepcopy`` of one whole cache; each timed on the host (building
+  the graph) and to the end of the merge's evaluation, then the prefill of 352 tokens of one layer's
+  attention over the merged cache, as the first step after a hit computes it.
+
 - ``restore-reuse``: whether a restore's memory is reused: MLX's read of a 1.1 and a 2.1 GB file
   three times in a row, its arrays freed between reads four ways (:data:`REUSE_WAYS`), each read's time
   beside how much of MLX's buffer cache it took; with ``--keep-freed-memory``, as ``kvstate serve``
   runs (glibc keeps freed blocks for reuse).
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|restore-reuse [--keep-freed-memory]
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -351,13 +357,57 @@ def restore_reuse() -> None:
         os.remove(path)
 
 
+def ram_hit(layers: int = 32, heads: int = 8, dim: int = 128, tokens: int = 2816, new: int = 352) -> None:
+    import copy
+    import statistics
+
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from kvstate.interpreters.mlx import blocks as mlx_blocks
+    whole = []
+    for _ in range(layers):
+        cache = KVCache()
+        cache.update_and_fetch(*(mx.random.normal((1, heads, tokens, dim)).astype(mx.bfloat16) for _ in range(2)))
+        whole.append(cache)
+    mx.eval([a for c in whole for a in (c.keys, c.values)])
+    chain = [mlx_blocks.cut(whole, start, min(start + 256, tokens)) for start in range(0, tokens, 256)]
+    like = [KVCache() for _ in range(layers)]
+    query = mx.random.normal((1, heads * 4, new, dim)).astype(mx.bfloat16)
+    ways = {"blocks, assembled": lambda: mlx_blocks.assemble(chain, like),
+            "whole, deep-copied (stock)": lambda: copy.deepcopy(whole)}
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways}
+    for _ in range(12):
+        for name, make in ways.items():
+            mx.synchronize()
+            start = time.perf_counter()
+            caches = make()
+            merged = [BatchKVCache.merge([cache]) for cache in caches]
+            built = time.perf_counter()
+            mx.eval([a for m in merged for a in (m.keys, m.values)])
+            mx.synchronize()
+            ready = time.perf_counter()
+            keys, values = merged[0].update_and_fetch(*(mx.random.normal((1, heads, new, dim)).astype(mx.bfloat16)
+                                                        for _ in range(2)))
+            mx.eval(scaled_dot_product_attention(query, keys, values, cache=merged[0], scale=dim ** -0.5, mask="causal"))
+            mx.synchronize()
+            times[name].append((built - start, ready - start, time.perf_counter() - ready))
+            del caches, merged
+    print(f"{layers} layers x {heads} heads x {dim}, bf16, {tokens} tokens ({len(chain)} blocks), median of "
+          f"{len(times[next(iter(ways))]) - 2} after 2 warm-ups:")
+    for name, samples in times.items():
+        host, merged, attention = (1e3 * statistics.median(s[k] for s in samples[2:]) for k in range(3))
+        print(f"  {name:28} graph built {host:6.2f} ms, merged {merged:6.2f} ms, then one layer's attention over "
+              f"{new} new tokens {attention:6.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     import argparse
 
     from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
-             "restore-reuse": restore_reuse}
+             "ram-hit": ram_hit, "restore-reuse": restore_reuse}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=parts)
     parser.add_argument("--keep-freed-memory", action="store_true",

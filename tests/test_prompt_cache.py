@@ -278,3 +278,84 @@ def test_a_keep_that_spills_says_so_with_the_bytes_it_kept(tmp_path, caplog):
     assert after.spills - before.spills == 1
     assert line.endswith(f"; 1 spill begun, {size_text(after.bytes_written - before.bytes_written)} written to disk")
     assert cache.service.flush().durable
+
+
+def test_an_expected_request_of_no_namespace_fetches_in_the_caches_own():
+    from kvstate import Request
+
+    model, cache = adapter()
+    prompt = list(range(1, 41))
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt))  # the cache used alone: its own namespace
+    request = Request(tuple(prompt + [77]), 4)
+    cache.service.admit(request)
+    cache.expect(request)
+    caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt + [77])
+    assert rest == [77] and caches[0].offset == len(prompt)
+    cache.service.release(request)
+
+
+def test_a_miss_is_never_a_template_only_hit():
+    model, cache = adapter()
+    cache.template_tokens = 2
+    assert cache.fetch_nearest_cache(MODEL_KEY, [5, 6, 7]) == (None, [5, 6, 7])
+    assert cache.template_only_hits == 0
+
+
+def test_a_cache_not_told_to_hold_segment_ends_keeps_them_when_offered_from_a_row():
+    """Only the batch generator's side holds a row's segment ends (it keeps them once the row
+    generates); a cache used alone keeps every insert as it comes, a row announced or not."""
+    model, cache = adapter()
+    prompt = list(range(1, 41))
+    cache.announce(prompt, "default", row=3)
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="user")
+    assert cache.service.peek_prefix_len(prompt + [99], "default") == len(prompt)
+
+
+def test_a_draft_models_caches_keep_nothing_and_answer_a_recorded_reply_with_nothing_kept(tmp_path):
+    """The server inserts a draft model's caches behind the model's: more layers than the model has.
+    Nothing is kept; a reply's insert answers its recorded request with no state kept, a segment's does
+    not answer it, and without a recorder nothing is told."""
+    import json
+
+    from kvstate.interpreters.serving.trace_recording import TraceRecorder
+
+    model, cache = adapter()
+    prompt = list(range(1, 41))
+    with_draft = computed(model, prompt) * 2
+    cache.insert_cache(MODEL_KEY, prompt, with_draft, cache_type="assistant")  # no recorder: nothing to tell
+    cache.recorder = TraceRecorder(tmp_path / "trace.jsonl")
+    cache.fetch_nearest_cache(MODEL_KEY, prompt)
+    cache.insert_cache(MODEL_KEY, prompt, with_draft, cache_type="user")
+    assert cache.recorder.written == 0
+    cache.insert_cache(MODEL_KEY, prompt + [50], with_draft, cache_type="assistant")
+    assert cache.recorder.written == 1
+    cache.recorder.close()
+    (line,) = (tmp_path / "trace.jsonl").read_text().splitlines()
+    assert json.loads(line)["kept_length"] == len(prompt)  # its prompt, as the recorder counts a reply kept
+    assert cache.service.report().kept == 0 and len(cache) == 0
+
+
+def test_a_model_whose_caches_have_no_positions_is_kept_whole():
+    """Caches that say no position (a recurrent model's: mamba) are kept for the tokens offered."""
+    from kvstate import KvCacheService
+    from kvstate.models.reference import build
+
+    model, config = build("mamba", seed=81)
+    cache = KvStatePromptCache(KvCacheService.for_mlx(model, config=config, ram_bytes=64 << 20), MODEL_KEY)
+    prompt = list(range(1, 41))
+    cache.insert_cache(MODEL_KEY, prompt, computed(model, prompt), cache_type="system")
+    assert cache.service.report().kept == 1
+    caches, rest = cache.fetch_nearest_cache(MODEL_KEY, prompt + [77])
+    assert rest == [77]
+
+
+def test_a_keeps_line_says_spills_begun_even_before_their_bytes_land():
+    from types import SimpleNamespace
+
+    from kvstate.interpreters.serving.prompt_cache import _disk_work
+
+    def counts(spills, written):
+        return SimpleNamespace(spills=spills, bytes_written=written)
+    assert _disk_work(counts(0, 0), counts(0, 0)) == ""
+    assert _disk_work(counts(2, 100), counts(3, 100)) == "; 1 spill begun, 0 B written to disk"
+    assert _disk_work(counts(3, 100), counts(3, 2148)) == "; 0 spills begun, 2 KiB written to disk"
