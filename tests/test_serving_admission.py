@@ -293,3 +293,82 @@ def test_a_pin_is_taken_when_the_reply_is_kept_not_at_a_segments_end():
     admission.publishing(3, reply, final=True)
     cache.insert_cache(MODEL_KEY, reply, computed(model, reply))
     assert cache.service.report().pins == 1
+
+
+def test_waits_for_room_are_counted_once_a_request_from_none():
+    """``waited`` (``/metrics``' requests that waited for KV room) counts each request that waited,
+    once, however many passes it waits."""
+    service, admission = _admission(share_wait_s=0.0, budget=BUDGET)
+    first_prompt = list(range(1, 301))  # fits the budget alone, not beside another of its size
+    (first, second), arrivals, take, tokenize = _items([(first_prompt, 4), (list(range(1000, 1300)), 4)])
+    assert admission.waited == 0
+    arrivals.extend([first, second])
+    assert admission.next_admitted(take, tokenize, 0) is first
+    admission.placed([1], segments=[[first_prompt]], cached=[[]])
+    assert admission.next_admitted(take, tokenize, 0) is None  # no room for the second while the first runs
+    assert admission.next_admitted(take, tokenize, 0) is None
+    assert admission.waited == 1
+
+
+def test_a_running_batch_never_waits_on_the_dequeue_for_a_request_waiting_for_its_reads(monkeypatch):
+    """While the batch runs (the server's timeout None), the dequeue does not wait at all, even when
+    every request in line waits for its blocks read ahead: the batch's next step is due."""
+    saved = list(range(1, 13))
+    service = _restarted_with_saved_blocks(tuple(saved))
+    monkeypatch.setattr(service._interpreter, "complete_reads", lambda: [])  # the read never lands here
+    admission = BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=0.0, read_ahead=True)
+    (row, busy), arrivals, take, tokenize = _items([(list(range(200, 230)), 4), (saved + [50, 51], 4)])
+    arrivals.append(row)
+    admission.next_admitted(take, tokenize, 0)
+    admission.placed([1], segments=[[list(range(200, 230))]], cached=[[]])
+    arrivals.append(busy)
+    timeouts = []
+
+    def polled(timeout):
+        timeouts.append(timeout)
+        return take(timeout)
+    assert admission.next_admitted(polled, tokenize, None) is None
+    assert admission.next_admitted(polled, tokenize, None) is None
+    assert timeouts[-1] is None
+
+
+def test_a_pin_belongs_to_a_row_placed_alone():
+    """A request's pin goes with the row it became; rows placed several at once (not one request's)
+    pin nothing."""
+    from kvstate.interpreters.serving.pins import PIN_ATTRIBUTE, PinAsked
+    service, admission = _admission(share_wait_s=0.0)
+    (item,), arrivals, take, tokenize = _items([(list(range(1, 41)), 4)])
+    setattr(item[1], PIN_ATTRIBUTE, PinAsked(60.0))
+    arrivals.append(item)
+    assert admission.next_admitted(take, tokenize, 0) is item
+    admission.placed([3, 4], segments=[[list(range(1, 41))], [list(range(1, 41))]], cached=[[], []])
+    assert admission._pins == {}
+
+
+def test_a_row_is_due_a_chunk_snapshot_each_time_its_prefill_passes_a_multiple_of_the_chunk():
+    """With ``snapshot_every`` 32, a row that reused 40 tokens and computes 60 more is due at 64 (its
+    first multiple past where it began), not before; again at 96 once the snapshot at 64 is taken;
+    never at a segment's end or the prompt's (the server keeps those itself) nor for a row of no request."""
+    from tests.test_prompt_cache import MODEL_KEY, adapter, computed
+    model, cache = adapter()
+    admission = BatchAdmission(cache, share_wait_s=0.0, snapshot_every=32)
+    prompt = list(range(1, 101))
+    (item,), arrivals, take, tokenize = _items([(prompt, 4)])
+    arrivals.append(item)
+    assert admission.next_admitted(take, tokenize, 0) is item
+    admission.placed([1], segments=[[prompt[40:]]], cached=[prompt[:40]])
+
+    def at(position, **ends):
+        response = SimpleNamespace(uid=1, progress=(position - 40, 60), end_of_segment=False, end_of_prompt=False)
+        response.__dict__.update(ends)
+        admission.progressed([response])
+        return admission.due_snapshots([response])
+    assert at(60) == []   # 60 // 32 == 40 // 32: no multiple passed since it began
+    assert at(64) == [1]
+    assert at(64, end_of_segment=True) == []
+    admission.snapshot(1, computed(model, prompt[:64]), prompt[:64])
+    assert cache.service.peek_prefix_len(tuple(prompt[:64]) + (250,), "default") == 64
+    assert at(90) == []
+    assert at(96) == [1]
+    admission._namespaces.pop(1)  # a row of no known request keeps nothing
+    assert at(97) == []
