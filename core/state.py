@@ -247,9 +247,11 @@ class Entry(PackedIds):
 
     id: int
     namespace: str
-    #: Its token ids, packed (:mod:`kvstate.core.tokens`): what the prefix index and comparisons read.
-    #: Only packed: a kept tuple of ids is one more object for the cyclic collector to scan id by id.
-    packed: bytes = attrs.field(repr=lambda p: f"<{len(p) // WIDTH} tokens>")
+    #: Token ids from the namespace's start, packed (:mod:`kvstate.core.tokens`), of which it covers the
+    #: first ``ends`` (all where None): the blocks one publish makes share its prompt's bytes, so a chain
+    #: of n blocks holds its ids once, not n times over (``packed`` cuts its own when asked). Only
+    #: packed: a kept tuple of ids is one more object for the cyclic collector to scan id by id.
+    source: bytes = attrs.field(repr=lambda p: f"<{len(p) // WIDTH} tokens>")
     nbytes: int
     trimmable: bool
     residence: Residence
@@ -276,6 +278,18 @@ class Entry(PackedIds):
     children: int = 0
     ram_children: int = 0
     disk_children: int = 0
+    #: How many of ``source``'s tokens it covers (None: all of them).
+    ends: int | None = None
+
+    @property
+    def packed(self) -> bytes:
+        """Its token ids, packed: what the prefix index and comparisons read."""
+        return self.source if self.ends is None else self.source[:self.ends * WIDTH]
+
+    @property
+    def length(self) -> int:
+        """How many tokens it covers."""
+        return len(self.source) // WIDTH if self.ends is None else self.ends
 
     @property
     def is_block(self) -> bool:
@@ -301,16 +315,18 @@ class Entry(PackedIds):
 
     def counted(self, children: int, ram_children: int, disk_children: int) -> "Entry":
         """With these counts of the held blocks that extend it (built directly, as ``used``)."""
-        return Entry(self.id, self.namespace, self.packed, self.nbytes, self.trimmable, self.residence,
+        return Entry(self.id, self.namespace, self.source, self.nbytes, self.trimmable, self.residence,
                      self.last_used, self.session, self.protected, self.tag, self.file_bytes, self.demote,
-                     self.read_errors, self.parent, self.start, self.block, children, ram_children, disk_children)
+                     self.read_errors, self.parent, self.start, self.block, children, ram_children, disk_children,
+                     self.ends)
 
     def used(self, now: float, read_errors: int) -> "Entry":
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
         commonest change)."""
-        return Entry(self.id, self.namespace, self.packed, self.nbytes, self.trimmable, self.residence, now,
+        return Entry(self.id, self.namespace, self.source, self.nbytes, self.trimmable, self.residence, now,
                      self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors,
-                     self.parent, self.start, self.block, self.children, self.ram_children, self.disk_children)
+                     self.parent, self.start, self.block, self.children, self.ram_children, self.disk_children,
+                     self.ends)
 
 
 @attrs.frozen
@@ -581,10 +597,12 @@ def object_tokens(key: str) -> tuple[int, ...]:
     return tuple(key.encode())
 
 
-def content_tag(namespace: str, tokens: tuple[int, ...]) -> int:
+def content_tag(namespace: str, tokens: tuple[int, ...] | bytes | memoryview) -> int:
     """A content identity for ghost lists: xxh3-64 of the packed ids, seeded by the namespace, so it is
-    the same in every process (Python's own str and bytes hashes are not)."""
-    return xxhash.xxh3_64_intdigest(packed(tokens), seed=xxhash.xxh3_64_intdigest(namespace.encode()))
+    the same in every process (Python's own str and bytes hashes are not). Packed ids may come as a
+    view of a longer prompt's bytes (nothing copied)."""
+    data = tokens if type(tokens) is memoryview else packed(tokens)
+    return xxhash.xxh3_64_intdigest(data, seed=xxhash.xxh3_64_intdigest(namespace.encode()))
 
 
 def request_check(request: object) -> Request:

@@ -479,12 +479,12 @@ def keep(d: Draft, offer: Offer) -> object:
 
 @attrs.frozen
 class _Link:
-    """One block of a chain being kept: its span, the path from the namespace's start to its end
-    (packed), its chain key, its sizes, and the entry that already holds it (None: none does)."""
+    """One block of a chain being kept: its span, its chain key, its sizes, and the entry that already
+    holds it (None: none does). The path from the namespace's start to its end is the first ``stop``
+    tokens of the offer's packed prompt (cut only where needed)."""
 
     start: int
     stop: int
-    path: bytes
     key: bytes
     nbytes: int
     file_bytes: int
@@ -502,7 +502,6 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
         cuts = cuts[:-1]  # a snapshot needs the blocks up to its end: only plain KV drops its partial block
     whole: set[int] | None = None
     for (start, stop), (nbytes, file_bytes) in zip(cuts, offer.blocks):
-        path = data[:stop * WIDTH]
         key = block_key(parent, data[start * WIDTH:stop * WIDTH])
         found = d.blocks.get((offer.namespace, key))
         if found is None:  # a whole entry at this path (state kept whole before): the offer is kept whole too
@@ -514,8 +513,8 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
         if (offer.snapshot is None and stop - start < d.config.block_tokens
                 and (held is None or held.residence not in IN_RAM)):
             # A partial last block a RAM block already covers is not kept again (nor its saved copy adopted).
-            held = _covering(d, offer.namespace, path, start) or held
-        links.append(_Link(start, stop, path, key, nbytes, file_bytes, held))
+            held = _covering(d, offer.namespace, data[:stop * WIDTH], start) or held
+        links.append(_Link(start, stop, key, nbytes, file_bytes, held))
         parent = key
     return links
 
@@ -574,7 +573,8 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.out.append(fx.DropPublished(handle))
         return Kept(last.id, duplicate=True)
     need = sum(link.nbytes for link in missing) + (offer.snapshot[0] if snapshot_missing else 0)
-    tags = {link.start: content_tag(namespace, link.path) for link in missing if link.held is None}
+    prompt = memoryview(packed(offer.tokens))
+    tags = {link.start: content_tag(namespace, prompt[:link.stop * WIDTH]) for link in missing if link.held is None}
     for tag in tags.values():
         d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)
     spare = frozenset(link.held.id for link in links if link.held is not None)
@@ -640,11 +640,14 @@ def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int]
     # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
     trimmable = offer.snapshot is None
     entries, blocks, ids, above = d.entries.mutate(), d.blocks.mutate(), [], parent
+    data = packed(offer.tokens)  # shared by every block made here: each covers its first ``stop`` tokens
+    length = len(data) // WIDTH
     for at, link in enumerate(links):
         entry_id, extended = d.new_entry_id(), int(at < last)
-        entries[entry_id] = Entry(entry_id, namespace, link.path, link.nbytes, trimmable, R.RAM, d.now, offer.session,
+        entries[entry_id] = Entry(entry_id, namespace, data, link.nbytes, trimmable, R.RAM, d.now, offer.session,
                                   offer.protected, tags[link.start], link.file_bytes, parent=above, start=link.start,
-                                  block=link.key, children=extended, ram_children=extended)
+                                  block=link.key, children=extended, ram_children=extended,
+                                  ends=None if link.stop == length else link.stop)
         blocks[namespace, link.key] = entry_id
         d.ram.bytes += link.nbytes
         d.out.append(fx.KeepBlock(handle, entry_id, link.start, link.stop))
