@@ -372,3 +372,19 @@ def test_a_row_is_due_a_chunk_snapshot_each_time_its_prefill_passes_a_multiple_o
     assert at(96) == [1]
     admission._namespaces.pop(1)  # a row of no known request keeps nothing
     assert at(97) == []
+
+
+def test_a_row_in_prefill_publishes_at_each_segments_end_and_one_token_before_its_prompts():
+    """What a waiting request may wait for: the row's caches at the end of each segment but the last,
+    and one token before the prompt's end (the last token is sampled from), after what it reused."""
+    service, admission = _admission(share_wait_s=0.0)
+    system, user, header, reused = list(range(1, 41)), list(range(100, 130)), [7, 8, 9], list(range(200, 210))
+    for uid, (segments, cached, boundaries) in enumerate([
+            ([system, user, header], [], (40, 70, 72)),
+            ([system, user, [9]], [], (40, 70)),          # a last part of one token: its end is the user's
+            ([system, user, [8, 9]], [], (40, 70, 71)),
+            ([user, header], reused, (40, 42))]):         # after 10 reused tokens
+        admission.placed([uid], segments=[segments], cached=[cached])
+        row = admission._computing[uid]
+        assert row.boundaries == boundaries and row.position == len(cached)
+        assert tuple(row.prompt) == tuple(cached) + tuple(t for part in segments for t in part)
