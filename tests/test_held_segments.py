@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import BatchGenerator
 
 from kvstate import KvCacheService
@@ -58,9 +59,11 @@ def _run(hold_segments: bool):
     types = ["system", "user"][::-1]
     (uid,) = generator.insert_segments(segments=[[SYSTEM, USER, HEADER]], max_tokens=[3], caches=[None],
                                        all_tokens=[[]])
-    seen, tokens = {}, []
+    seen, tokens, prefills = {}, [], []
     while True:
+        before = (generator._counters.prompt_tokens, generator._counters.prompt_time)
         prompt_responses, generation_responses = generator.next()
+        prefills.append((generator._counters.prompt_tokens - before[0], generator._counters.prompt_time - before[1]))
         if tokens and "after the first token's step" not in seen:
             seen["after the first token's step"] = _kept(service, SYSTEM + USER)
         ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt and types]
@@ -77,6 +80,7 @@ def _run(hold_segments: bool):
         if any(r.finish_reason is not None for r in generation_responses):
             break
     assert uid not in admission._rows  # its lease ended with its row
+    seen["prefills"] = prefills
     return model, service, cache, seen, tokens
 
 
@@ -96,6 +100,19 @@ def test_a_segment_end_is_kept_once_its_row_has_put_out_its_first_token():
         assert kept.offset == expected.offset == n
         for ours, theirs in ((kept.keys, expected.keys), (kept.values, expected.values)):
             assert mx.allclose(ours[..., :n, :], theirs[..., :n, :], atol=1e-5).item()
+
+
+def test_each_step_teaches_the_service_the_prefill_it_measured():
+    """The pace a disk hit is weighed against is the batch's own: each step's prompt tokens over the
+    time its prefill took (decayed sums, as :mod:`kvstate.core.pace` keeps them)."""
+    from kvstate.core.pace import SMOOTHING
+    _, service, _, seen, _ = _run(hold_segments=True)
+    tokens = seconds = 0.0
+    for step_tokens, step_seconds in seen["prefills"]:
+        if step_tokens and step_seconds:
+            tokens, seconds = (1 - SMOOTHING) * tokens + step_tokens, (1 - SMOOTHING) * seconds + step_seconds
+    assert tokens > 0  # the run prefilled something
+    assert service.report().prefill_tokens_per_s == pytest.approx(tokens / seconds)
 
 
 def test_held_segments_change_when_state_is_kept_not_what_is_generated_nor_kept():
