@@ -44,7 +44,9 @@ def test_a_warm_prompt_is_prefilled_before_the_server_answers_and_pinned(model_d
         server.stop()
 
 
-def test_a_pinned_prefix_survives_pressure_that_evicts_everything_else(model_dir):
+@pytest.mark.parametrize("served", [{}, {"seed": 7}], ids=["batched", "alone-with-a-seed"])
+def test_a_pinned_prefix_survives_pressure_that_evicts_everything_else(model_dir, served):
+    """Batched, or served outside the batch (a request with a seed), the pin holds its prefix."""
     server = Server(model_dir, "--ram-bytes", str(SMALL_RAM), "--pin-share", "0.5", "--max-pin-seconds", "600")
 
     def conversation(topic: int, **body):
@@ -54,7 +56,7 @@ def test_a_pinned_prefix_survives_pressure_that_evicts_everything_else(model_dir
                            {"role": "user", "content": "And then?"}], reply.usage.prompt_tokens
 
     try:
-        pinned, pinned_prompt = conversation(1, cache_pin_seconds=600)
+        pinned, pinned_prompt = conversation(1, cache_pin_seconds=600, **served)
         unpinned, unpinned_prompt = conversation(2)
         for topic in range(3, 15):  # each keeps about 150 tokens: RAM holds about five of them
             conversation(topic)
