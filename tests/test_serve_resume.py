@@ -65,10 +65,14 @@ def killed(server: Server, **request) -> str:
     """Send ``request``; the server kills itself at its crash point on the way. What the client got
     before (a stream ends where the connection dropped; a reply in one piece raises)."""
     try:
-        got, _ = generate(server, **request)
-    except (openai.APIConnectionError, openai.APIError):
-        got = ""
-    assert server.process.wait(timeout=120) == -signal.SIGKILL
+        try:
+            got, _ = generate(server, **request)
+        except (openai.APIConnectionError, openai.APIError):
+            got = ""
+        assert server.process.wait(timeout=120) == -signal.SIGKILL
+    except BaseException:
+        server.stop()  # it never reached its crash point: no server is left behind by a failing test
+        raise
     return got
 
 
