@@ -233,21 +233,24 @@ class KvStatePromptCache:
                 self._held.append(HeldSegment(row, namespace, pin, key, prompt_cache, cache_type))
             return
         self.keep_held()  # in the order offered
-        self._keep(namespace, pin, key, tokens, prompt_cache, cache_type)
+        self._keep(namespace, pin, key, prompt_cache, cache_type)
 
     def keep_held(self, rows: Any = None) -> None:
         """Keep the segment ends held for ``rows`` (None: every row), in the order they were offered."""
         with self._lock:
             if not self._held:
                 return
-            due = [held for held in self._held if rows is None or held.row in rows]
-            self._held = [held for held in self._held if not (rows is None or held.row in rows)]
+            due, waiting = [], []
+            for held in self._held:
+                (due if rows is None or held.row in rows else waiting).append(held)
+            self._held = waiting
         for held in due:
-            self._keep(held.namespace, held.pin, held.tokens, held.tokens, held.caches, held.cache_type)
+            self._keep(held.namespace, held.pin, held.tokens, held.caches, held.cache_type)
 
-    def _keep(self, namespace: str, pin: PinAsked | None, key: tuple[int, ...], tokens: Any, prompt_cache: list,
+    def _keep(self, namespace: str, pin: PinAsked | None, key: tuple[int, ...], prompt_cache: list,
               cache_type: str) -> None:
-        """Offer ``prompt_cache`` over ``key`` (the server's ``tokens``) to the service, in ``namespace``."""
+        """Offer ``prompt_cache`` over the tokens ``key`` to the service, in ``namespace``."""
+        offered = key
         recorded = self.recorder is not None and cache_type == "assistant"
         self._tick()
         started = time.perf_counter()
@@ -258,7 +261,7 @@ class KvStatePromptCache:
                 return
             key = key[:covered]
         if recorded:
-            self.recorder.answered(namespace, tuple(tokens), len(key))
+            self.recorder.answered(namespace, offered, len(key))
         request = Request(key, 1)
         before = self.service.counts()
         try:
