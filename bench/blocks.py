@@ -20,6 +20,7 @@ kept), and with full blocks only (the tokens past the last full block dropped an
 
     python bench/blocks.py [--baseline HEAD~1] [--models tiny,small] [--workloads chat,agent,branching]
     python bench/blocks.py --restore 8000   # a verified restore, whole and in blocks, against a raw read
+    python bench/blocks.py --ids 128        # the token ids a chain's blocks hold, an agent loop of 128 steps
 
 Prints one row per model, workload and storage: bytes written, files on disk, RAM held at the end,
 prompt tokens reused, and the ratios of blocks to the baseline.
@@ -265,6 +266,24 @@ def in_worker(site: Path | None, job: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def ids_held(steps: int, block_tokens: int) -> None:
+    """The bytes of token ids the blocks of one chain hold: an agent loop of ``steps`` steps of 1,000
+    tokens each, published step by step through the simulator (the core's entries, as production keeps
+    them), against what a copy of each block's path from the namespace's start would take."""
+    from kvstate import KvCacheService, Request, SimCaches, model_spec
+    spec = model_spec("llama-3.1-8b")
+    service = KvCacheService.simulated(spec, ram_bytes=spec.bytes_for(steps * 1000 + 1000), block_tokens=block_tokens)
+    tokens: tuple[int, ...] = ()
+    for step in range(steps):
+        tokens += tuple(range(step * 1000 + 1, step * 1000 + 1001))
+        service.publish(Request(tokens, 1), "default", tokens, SimCaches(tokens, spec))
+    blocks = [entry for entry in service.state.entries.values() if entry.is_block]
+    held = sum(len(source) for source in {id(e.source): e.source for e in blocks}.values())
+    paths = sum(len(entry.packed) for entry in blocks)
+    print(f"{len(blocks)} blocks over {len(tokens):,} tokens: ids held {held / 2**20:.1f} MiB; "
+          f"a path a block would hold {paths / 2**20:.1f} MiB ({paths / held:.1f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="HEAD~1", help="the commit whose whole-prefix storage is the baseline")
@@ -274,8 +293,13 @@ def main() -> None:
     parser.add_argument("--restore", type=int, default=None, metavar="TOKENS",
                         help="instead: time a verified restore of a prefix this long, whole and in blocks")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--ids", type=int, default=None, metavar="STEPS",
+                        help="the token ids the blocks of an agent loop of this many steps hold (no model run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ids:
+        ids_held(args.ids, args.block_tokens)
+        return
     if args.restore:
         restore_figures(args.restore, args.block_tokens, args.repeat)
         return
