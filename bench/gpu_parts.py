@@ -21,9 +21,11 @@
 
 - ``ram-hit``: a RAM hit's caches as the generation loop takes them into its batch (``BatchKVCache.merge``),
   at the 8B geometry and 2,816 tokens: assembled from the chain's blocks of 256 (a concatenation of 11
-  spans a layer), against stock's ``copy.deepcopy`` of one whole cache; each timed on the host (building
-  the graph) and to the end of the merge's evaluation, then the prefill of 352 tokens of one layer's
-  attention over the merged cache, as the first step after a hit computes it.
+  spans a layer), of 1,024 (3 spans) and from one span (a copy of one array a layer), and held as a
+  view of one array (no copy), against stock's ``copy.deepcopy`` of one whole cache; each timed on the
+  host (building the graph) and to the end of the merge's evaluation, then the prefill of 352 tokens of
+  one layer's attention over the merged cache, as the first step after a hit computes it. What a hit
+  costs per span a layer, apart from the bytes it copies.
 
 - ``restore-reuse``: whether a restore's memory is reused: MLX's read of a 1.1 and a 2.1 GB file
   three times in a row, its arrays freed between reads four ways (:data:`REUSE_WAYS`), each read's time
@@ -35,6 +37,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -371,11 +374,19 @@ def ram_hit(layers: int = 32, heads: int = 8, dim: int = 128, tokens: int = 2816
         cache.update_and_fetch(*(mx.random.normal((1, heads, tokens, dim)).astype(mx.bfloat16) for _ in range(2)))
         whole.append(cache)
     mx.eval([a for c in whole for a in (c.keys, c.values)])
-    chain = [mlx_blocks.cut(whole, start, min(start + 256, tokens)) for start in range(0, tokens, 256)]
+
+    def chain_of(block_tokens: int) -> list:
+        return [mlx_blocks.cut(whole, start, min(start + block_tokens, tokens))
+                for start in range(0, tokens, block_tokens)]
+
+    chains = {size: chain_of(size) for size in (256, 1024, tokens)}
     like = [KVCache() for _ in range(layers)]
     query = mx.random.normal((1, heads * 4, new, dim)).astype(mx.bfloat16)
-    ways = {"blocks, assembled": lambda: mlx_blocks.assemble(chain, like),
-            "whole, deep-copied (stock)": lambda: copy.deepcopy(whole)}
+    ways = {f"blocks of {size}, {len(chain)} a layer": functools.partial(mlx_blocks.assemble, chain, like)
+            for size, chain in chains.items()}
+    ways["one array, a view of it"] = lambda: mlx_blocks.assemble_joined(
+        [{"keys": c.keys, "values": c.values} for c in whole], like, tokens=tokens)
+    ways["whole, deep-copied (stock)"] = lambda: copy.deepcopy(whole)
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways}
     for _ in range(12):
         for name, make in ways.items():
@@ -393,11 +404,11 @@ def ram_hit(layers: int = 32, heads: int = 8, dim: int = 128, tokens: int = 2816
             mx.synchronize()
             times[name].append((built - start, ready - start, time.perf_counter() - ready))
             del caches, merged
-    print(f"{layers} layers x {heads} heads x {dim}, bf16, {tokens} tokens ({len(chain)} blocks), median of "
+    print(f"{layers} layers x {heads} heads x {dim}, bf16, {tokens} tokens, median of "
           f"{len(times[next(iter(ways))]) - 2} after 2 warm-ups:")
     for name, samples in times.items():
         host, merged, attention = (1e3 * statistics.median(s[k] for s in samples[2:]) for k in range(3))
-        print(f"  {name:28} graph built {host:6.2f} ms, merged {merged:6.2f} ms, then one layer's attention over "
+        print(f"  {name:30} graph built {host:6.2f} ms, merged {merged:6.2f} ms, then one layer's attention over "
               f"{new} new tokens {attention:6.2f} ms", flush=True)
 
 

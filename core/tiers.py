@@ -594,7 +594,7 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
             held = attrs.evolve(held, residence=moved(held.residence, Move.ADOPT), last_used=d.now)
             d.set_entry(held)
             d.ram.bytes += held.nbytes
-            d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop))
+            d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop, parent))
             entering.add(held.id)
         held_ids.append(held.id)
         parent = held.id
@@ -650,7 +650,7 @@ def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int]
                                   ends=None if link.stop == length else link.stop)
         blocks[namespace, link.key] = entry_id
         d.ram.bytes += link.nbytes
-        d.out.append(fx.KeepBlock(handle, entry_id, link.start, link.stop))
+        d.out.append(fx.KeepBlock(handle, entry_id, link.start, link.stop, above))
         ids.append(entry_id)
         above = entry_id
     d.entries, d.blocks = entries.finish(), blocks.finish()

@@ -92,12 +92,15 @@ class AdoptPublished(Effect):
 @attrs.frozen
 class KeepBlock(Effect):
     """Positions ``start`` to ``stop`` of the caches staged under ``handle`` become kept RAM block
-    ``entry`` (the staged caches stay staged: a ``DropPublished`` lets them go)."""
+    ``entry`` (the staged caches stay staged: a ``DropPublished`` lets them go). ``parent`` is the
+    block before it on its chain (None at the chain's start): the staged caches hold that block's
+    positions too, so an interpreter may keep the chain's blocks as views of one array."""
 
     handle: int
     entry: int
     start: int
     stop: int
+    parent: int | None = None
 
 
 @attrs.frozen

@@ -85,6 +85,10 @@ class KVCodec:
             cache.keys, cache.values, cache.offset = arrays["keys"], arrays["values"], int(meta["offset"])
         return cache
 
+    def buffered(self, cache: KVCache) -> int:
+        """Positions its buffer holds: its offset, or up to a step more."""
+        return 0 if cache.keys is None else cache.keys.shape[-2]
+
     def span(self, cache: KVCache, start: int, stop: int) -> dict[str, mx.array]:
         """Positions ``start`` to ``stop`` as new arrays: one block's share of this layer."""
         # Copied out (``contiguous``): a bare slice is a view that keeps the whole cache's buffer alive.
@@ -192,6 +196,9 @@ class QuantizedCodec:
             cache.values = tuple(arrays[f"values.{i}"] for i in range(3))
             cache.offset = int(meta["offset"])
         return cache
+
+    def buffered(self, cache: QuantizedKVCache) -> int:
+        return 0 if cache.keys is None else cache.keys[0].shape[-2]
 
     def span(self, cache: QuantizedKVCache, start: int, stop: int) -> dict[str, mx.array]:
         """Positions ``start`` to ``stop`` of the packed data, scales and biases (quantised per position)."""

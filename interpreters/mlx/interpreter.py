@@ -30,6 +30,7 @@ from kvstate.core.state import InvalidConfig, ServiceConfig
 from kvstate.effects.completions import Scanned
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
+from kvstate.interpreters.mlx import block_views
 from kvstate.interpreters.mlx import blocks as mlx_blocks
 from kvstate.interpreters.mlx import caches as mlx_caches
 from kvstate.interpreters.mlx.chain_reads import PartRejected
@@ -155,6 +156,10 @@ class MlxInterpreter(HeldState):
         self._landed: list[_PartsRead] = []  # reads ahead done, not yet taken by the thread that asked
         #: Fetches from and offers to the shared tier, in order, off every caller's thread.
         self._remote_worker = _Worker("kvstate-remote") if background and remote is not None else None
+        #: The place on its chain of every RAM block kept from staged caches.
+        self._links: dict[int, block_views.Link] = {}
+        #: Blocks a publish keeps, not cut yet: its consecutive ``KeepBlock``s are kept as one run.
+        self._keeping: list[fx.KeepBlock] = []
 
     @property
     def now(self) -> float:
@@ -278,7 +283,28 @@ class MlxInterpreter(HeldState):
 
     def ram_caches(self, entry: int) -> list:
         """The caches kept as RAM ``entry`` (for checks)."""
-        return self._ram[entry]
+        self._keep_blocks()
+        held = self._ram[entry]
+        return held if entry in self._snapshots else block_views.block_of(held)
+
+    def ram_backings(self) -> list[block_views.Backing]:
+        """The arrays RAM blocks are views of (for checks)."""
+        self._keep_blocks()
+        backings = {id(h.backing): h.backing for h in self._ram.values() if isinstance(h, block_views.View)}
+        return list(backings.values())
+
+    def take(self, handle: int) -> Any:
+        self._keep_blocks()
+        return super().take(handle)
+
+    def unstage(self, handle: int) -> object:
+        self._keep_blocks()
+        return super().unstage(handle)
+
+    def perform(self, effect: fx.Effect) -> list:
+        if self._keeping and not (isinstance(effect, fx.KeepBlock) and effect.handle == self._keeping[0].handle):
+            self._keep_blocks()
+        return super().perform(effect)
 
     # ------------------------------------------------------------ performers
 
@@ -325,10 +351,34 @@ class MlxInterpreter(HeldState):
         return []
 
     def _keep_block(self, e: fx.KeepBlock) -> list:
-        block = mlx_blocks.cut(self._handles[e.handle], e.start, e.stop, evaluate=False)
-        mx.async_eval([array for layer in block for array in layer.values()])  # as a whole prefix is kept
-        self._ram[e.entry] = block
+        if e.handle not in self._handles:
+            raise InterpreterError(f"a block kept from handle {e.handle}, which stages nothing")
+        self._keeping.append(e)  # cut with the publish's other blocks, at its next effect
         return []
+
+    def _keep_blocks(self) -> None:
+        """Keep the blocks the publish's ``KeepBlock``s named: each run of consecutive ones as views of
+        one array a layer (:mod:`~kvstate.interpreters.mlx.block_views`), scheduled now, on the
+        caller's stream, without a wait (a publish does not stall a generation loop's next step)."""
+        keeping, self._keeping = self._keeping, []
+        runs: list[list[tuple[int, block_views.Link]]] = []
+        for e in keeping:
+            link = block_views.Link(e.start, e.stop, e.parent)
+            self._links[e.entry] = link
+            if runs and runs[-1][-1][0] == e.parent and runs[-1][-1][1].stop == e.start:
+                runs[-1].append((e.entry, link))
+            else:
+                runs.append([(e.entry, link)])
+        for run in runs:
+            self._ram.update(block_views.keep(self._handles[keeping[0].handle], run, self._ram, self._links))
+
+    def _drop_entry(self, e: fx.DropEntry) -> list:
+        held = self._ram.get(e.entry)
+        out = super()._drop_entry(e)
+        self._links.pop(e.entry, None)
+        if isinstance(held, block_views.View):
+            self._ram.update(block_views.without(held))
+        return out
 
     def _keep_snapshot(self, e: fx.KeepSnapshot) -> list:
         snapshot = mlx_blocks.snapshot_of(self._handles[e.handle])
@@ -350,7 +400,11 @@ class MlxInterpreter(HeldState):
                 continue
             chain.append(self._ram[part.entry] if part.saved is None else part.saved)
             entries.append(part.entry)
-        if any(isinstance(block, fx.BlockName) for block in chain):
+        viewed = block_views.one_view(chain) if chain else None
+        if viewed is not None:  # consecutive views of one array: handed out as one view, no copy
+            assemble = functools.partial(mlx_blocks.assemble_joined, viewed)
+        elif any(isinstance(block, fx.BlockName) for block in chain):
+            chain = [block if isinstance(block, fx.BlockName) else block_views.block_of(block) for block in chain]
             try:
                 joined = self._store().read_chain(chain)
             except PartRejected as failure:
@@ -360,7 +414,7 @@ class MlxInterpreter(HeldState):
                 return [done.RestoreFailed(first, e.handle, done.FailureReason.IO_ERROR, saved)]
             assemble = functools.partial(mlx_blocks.assemble_joined, joined)
         else:
-            assemble = functools.partial(mlx_blocks.assemble, chain)
+            assemble = functools.partial(mlx_blocks.assemble, [block_views.block_of(block) for block in chain])
         held = None
         if snapshot is not None:
             held = self._ram[snapshot.entry] if snapshot.saved is None else self._read_saved(snapshot.saved)
@@ -384,7 +438,7 @@ class MlxInterpreter(HeldState):
         store = self._store()
         if isinstance(e.key, fx.BlockName):
             classes = [type(cache).__name__ for cache in self.fresh()]
-            encoded = store.encode_block(e.key, self._ram[e.entry], classes)
+            encoded = store.encode_block(e.key, block_views.block_of(self._ram[e.entry]), classes)
         elif isinstance(e.key, fx.SnapshotName):
             encoded = store.encode_snapshot(e.key, self._ram[e.entry])
         else:
