@@ -19,6 +19,7 @@ exported from git into a temporary folder and run there, as its own process), th
 kept), and with full blocks only (the tokens past the last full block dropped and recomputed).
 
     python bench/blocks.py [--baseline HEAD~1] [--models tiny,small] [--workloads chat,agent,branching]
+    python bench/blocks.py --baseline-blocks   # also the baseline commit in blocks, this commit's blocks against it
     python bench/blocks.py --restore 8000   # a verified restore, whole and in blocks, against a raw read
     python bench/blocks.py --ids 128        # the token ids a chain's blocks hold, an agent loop of 128 steps
 
@@ -295,6 +296,9 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--workloads", default="chat,agent,branching")
     parser.add_argument("--block-tokens", type=int, default=256)
+    parser.add_argument("--baseline-blocks", action="store_true",
+                        help="also run the baseline commit in blocks (its row 'baseline blocks'), and give "
+                             "this commit's blocks against it")
     parser.add_argument("--restore", type=int, default=None, metavar="TOKENS",
                         help="instead: time a verified restore of a prefix this long, whole and in blocks")
     parser.add_argument("--repeat", type=int, default=3)
@@ -324,9 +328,11 @@ def main() -> None:
         for model in args.models.split(","):
             for workload in args.workloads.split(","):
                 rows = {}
-                for storage, where, block_tokens, partial in (
-                        ("baseline", site, None, True), ("whole", None, None, True),
-                        ("blocks", None, args.block_tokens, True), ("full blocks", None, args.block_tokens, False)):
+                storages = [("baseline", site, None, True), ("whole", None, None, True),
+                            ("blocks", None, args.block_tokens, True), ("full blocks", None, args.block_tokens, False)]
+                if args.baseline_blocks:
+                    storages.insert(2, ("baseline blocks", site, args.block_tokens, True))
+                for storage, where, block_tokens, partial in storages:
                     directory = Path(work) / f"{model}-{workload}-{storage}".replace(" ", "-")
                     rows[storage] = in_worker(where, {"model": model, "workload": workload, "partial": partial,
                                                       "block_tokens": block_tokens, "directory": str(directory)})
@@ -338,6 +344,11 @@ def main() -> None:
                                   f"RAM {row['ram_bytes'] / base['ram_bytes']:.3f}x, "
                                   f"reused {row['reused'] / max(1, base['reused']):.3f}x, "
                                   f"acquire {row['acquiring'] / base['acquiring']:.2f}x")
+                        if args.baseline_blocks and storage == "blocks":
+                            before = rows["baseline blocks"]
+                            ratios += (f"; against baseline blocks: acquire "
+                                       f"{row['acquiring'] / before['acquiring']:.2f}x, "
+                                       f"s {row['seconds'] / before['seconds']:.2f}x")
                     print(f"{model:6} {workload:10} {storage:14} {row['bytes_written'] / 1e6:10.2f} {row['files']:6d} "
                           f"{row['disk_bytes'] / 1e6:8.2f} {row['ram_bytes'] / 1e6:7.2f} {row['reused']:7d} "
                           f"{row['seconds']:6.1f} {row['acquiring']:9.3f}  {ratios}", flush=True)

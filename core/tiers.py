@@ -614,15 +614,15 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         else:
             touched.append(entry)
     touch_all(d, touched)
+    last = d.entries[parent]
+    if last.trimmable:  # before the staged caches go, so an interpreter keeping the chain knows what stays
+        _drop_served_prefixes(d, last)
     d.out.append(fx.DropPublished(handle))
     if config.has_disk and config.write_behind and config.write_idle_after is None:
         for entry_id in new:
             entry = d.entries[entry_id]
             if entry.residence is R.RAM and spill_pays(d, entry):
                 start_spill(d, entry)
-    last = d.entries[parent]
-    if last.trimmable:
-        _drop_served_prefixes(d, last)
     if offer.session is not None:
         d.sessions = d.sessions.set(offer.session, (namespace, last.packed))
     if offer.notify:

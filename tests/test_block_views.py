@@ -167,3 +167,26 @@ def test_an_eviction_past_the_slack_copies_the_rest_out_and_frees_the_backing(ll
     assert_recomputed(model, first, prefill(model, first[2 * SIZE:], state.caches))
     service.release(request)
     service.close()
+
+
+def test_two_conversations_on_one_system_prompt_each_stay_in_at_most_two_backings(llama, monkeypatch):
+    """The shared prompt stays in one chain's backing; each conversation's own blocks move onto its
+    latest publish (a copy of its own positions), so a hit joins two views, however many turns. (A
+    block's slack here, as in production: a step of mlx-lm's caches is one block of 256.)"""
+    monkeypatch.setattr(block_views, "SLACK", SIZE)
+    model, config = llama
+    service = service_for(model, config)
+    system = tuple(range(1, 2 * SIZE + 1))
+    prompts = {0: system, 1: system}
+    for step in range(4):
+        for who in (0, 1):
+            prompts[who] = prompts[who] + tuple(range(40 + 100 * who + 11 * step, 51 + 100 * who + 11 * step))
+            state, logits = turn(service, model, prompts[who])
+            assert_recomputed(model, prompts[who], logits)
+            assert_held_once_as_published(service, model)
+    backing_of = {entry: i for i, backing in enumerate(service.interpreter.ram_backings()) for entry in backing.members}
+    for who in (0, 1):
+        chain = [e for e in ram_blocks(service).values() if prompts[who][:e.length] == ids_of(e.packed)]
+        assert len({backing_of.get(e.id, ("own", e.id)) for e in chain}) <= 2
+        assert len(chain) == len(prompts[who]) // SIZE + 1  # every full block and the partial last one in RAM
+    service.close()

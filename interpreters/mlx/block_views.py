@@ -104,20 +104,20 @@ def one_view(chain: list[Held]) -> Block | None:
 
 def keep(caches: list, run: list[tuple[int, Link]], ram: dict[int, Held], links: dict[int, Link]) -> dict[int, Held]:
     """What RAM holds after the consecutive blocks ``run`` (entry and place, in order) are kept from
-    the staged ``caches``: the run's blocks, and the chain's earlier blocks (``links`` places every
-    block kept) moved onto the caches' own arrays where they all can move (the members their backings
-    are left with copied out); else the run's blocks as views of one copy of their positions."""
-    start, stop = run[0][1].start, run[-1][1].stop
-    earlier = _earlier(run[0][1].parent, ram, links)
-    arrays = _staged_arrays(caches, stop) if earlier is not None else None
+    the staged ``caches``: the run's blocks and as many of the chain's blocks before it as can move
+    (:func:`_movable`; ``links`` places every block kept) as views of one backing, the members the
+    backings they leave are left with copied out. The backing is the caches' own arrays where the
+    whole chain moves, else one copy of the positions that move."""
+    moved = _movable(run[0][1].parent, ram, links)
+    start, stop = (links[moved[0]].start if moved else run[0][1].start), run[-1][1].stop
+    arrays = _staged_arrays(caches, stop) if start == 0 else None
     if arrays is None:
-        layers = cut(caches, start, stop, evaluate=False)
-        backing, earlier = Backing(layers, start, stop - start), []
+        backing = Backing(cut(caches, start, stop, evaluate=False), start, stop - start)
     else:
         backing = Backing(arrays[0], 0, arrays[1])
     mx.async_eval([array for layer in backing.layers for array in layer.values()])
     left: dict[int, Backing] = {}
-    for entry in earlier:
+    for entry in moved:
         held = ram[entry]
         if isinstance(held, View):
             held.backing.members.pop(entry)
@@ -146,22 +146,26 @@ def without(view: View) -> dict[int, Held]:
     return out
 
 
-def _earlier(parent: int | None, ram: dict[int, Held], links: dict[int, Link]) -> list[int] | None:
-    """The chain's blocks up to ``parent``, first to last, where each is held in RAM with a known place
-    and the backings they are views of hold at most :data:`SLACK` positions of other blocks; else None."""
+def _movable(parent: int | None, ram: dict[int, Held], links: dict[int, Link]) -> list[int]:
+    """The longest run of the chain's blocks ending at ``parent`` (first to last) that can move onto
+    one backing: each held in RAM with a known place, and every backing they are views of holding at
+    most :data:`SLACK` positions of blocks outside the run (those are copied out). A run starts where
+    the chain changes backing: a shared prefix another chain's backing holds stays where it is."""
     chain, at = [], parent
-    while at is not None:
-        if at not in ram or at not in links:
-            return None
+    while at is not None and at in ram and at in links:
         chain.append(at)
         at = links[at].parent
     chain.reverse()
-    on_chain = set(chain)
-    backings = {id(held.backing): held.backing for held in (ram[entry] for entry in chain) if isinstance(held, View)}
-    for backing in backings.values():
-        if sum(m.stop - m.start for entry, m in backing.members.items() if entry not in on_chain) > SLACK:
-            return None
-    return chain
+    held = [ram[entry] for entry in chain]
+    starts = [i for i, h in enumerate(held)
+              if i == 0 or not (isinstance(h, View) and isinstance(held[i - 1], View) and h.backing is held[i - 1].backing)]
+    for i in starts:
+        moving = set(chain[i:])
+        backings = {id(h.backing): h.backing for h in held[i:] if isinstance(h, View)}
+        if all(sum(m.stop - m.start for entry, m in backing.members.items() if entry not in moving) <= SLACK
+               for backing in backings.values()):
+            return chain[i:]
+    return []
 
 
 def _staged_arrays(caches: list, stop: int) -> tuple[list[dict[str, mx.array]], int] | None:

@@ -302,7 +302,11 @@ class MlxInterpreter(HeldState):
         return super().unstage(handle)
 
     def perform(self, effect: fx.Effect) -> list:
-        if self._keeping and not (isinstance(effect, fx.KeepBlock) and effect.handle == self._keeping[0].handle):
+        # A publish's blocks are cut at its first effect that is not another of them, nor the drop of a
+        # block it supersedes (so the cut knows what stays).
+        if self._keeping and not (isinstance(effect, fx.KeepBlock) and effect.handle == self._keeping[0].handle
+                                  or isinstance(effect, fx.DropEntry)
+                                  and all(k.entry != effect.entry for k in self._keeping)):
             self._keep_blocks()
         return super().perform(effect)
 
