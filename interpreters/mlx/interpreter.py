@@ -287,6 +287,10 @@ class MlxInterpreter(HeldState):
         held = self._ram[entry]
         return held if entry in self._snapshots else block_views.block_of(held)
 
+    def ram_entries(self) -> set[int]:
+        self._keep_blocks()
+        return super().ram_entries()
+
     def ram_backings(self) -> list[block_views.Backing]:
         """The arrays RAM blocks are views of (for checks)."""
         self._keep_blocks()
