@@ -15,6 +15,7 @@ from kvstate import KvCacheService, Request, Source
 from kvstate.core.tokens import ids_of
 from kvstate.interpreters.mlx import block_views
 from kvstate.models.reference import build
+from tests.test_mlx_block_store import last_logits, turn
 
 SIZE = 16
 TOLERANCE = 1e-5
@@ -27,22 +28,6 @@ def llama():
 
 def service_for(model, config, ram_bytes=8 << 20):
     return KvCacheService.for_mlx(model, ram_bytes=ram_bytes, config=config, block_tokens=SIZE)
-
-
-def prefill(model, tokens, caches):
-    out = model(mx.array([list(tokens)]), cache=caches)
-    mx.eval(out)
-    return out[0, -1]
-
-
-def turn(service, model, prompt, namespace="n"):
-    """Acquire, prefill what is not covered, publish, release: the acquire's state and the next logits."""
-    request = Request(prompt, 4)
-    state = service.acquire(request, namespace)
-    logits = prefill(model, prompt[state.reused_tokens:], state.caches)
-    service.publish(request, namespace, prompt, state.caches)
-    service.release(request)
-    return state, logits
 
 
 def ram_blocks(service):
@@ -60,7 +45,7 @@ def assert_held_once_as_published(service, model):
         assert 0 <= backing.unheld <= block_views.SLACK
     for entry in blocks.values():
         want = make_prompt_cache(model)
-        prefill(model, ids_of(entry.packed), want)
+        last_logits(model, ids_of(entry.packed), want)
         for layer, cache in zip(service.interpreter.ram_caches(entry.id), want):
             for name in ("keys", "values"):
                 got, expected = layer[name], getattr(cache, name)[..., entry.start:entry.length, :]
@@ -69,7 +54,7 @@ def assert_held_once_as_published(service, model):
 
 
 def assert_recomputed(model, prompt, logits):
-    want = prefill(model, prompt, make_prompt_cache(model))
+    want = last_logits(model, prompt, make_prompt_cache(model))
     assert float(mx.abs(logits - want).max()) <= TOLERANCE
 
 
@@ -108,7 +93,7 @@ def test_the_loops_writes_into_a_hit_never_reach_the_blocks(llama):
     state = service.acquire(request, "n")
     assert state.reused_tokens == SIZE + 3
     for _ in range(3):  # the loop's updates write into the caches it was handed
-        prefill(model, (7, 8, 9), state.caches)
+        last_logits(model, (7, 8, 9), state.caches)
     service.release(request)
     for entry, layers in before.items():
         for kept, now in zip(layers, service.interpreter.ram_caches(entry)):
@@ -136,7 +121,7 @@ def test_a_branch_keeps_both_chains_as_published_each_token_once(llama, monkeypa
         request = Request(prompt + (9,), 4)
         state = service.acquire(request, "n")
         assert state.reused_tokens == len(prompt)
-        assert_recomputed(model, prompt + (9,), prefill(model, (9,), state.caches))
+        assert_recomputed(model, prompt + (9,), last_logits(model, (9,), state.caches))
         service.release(request)
     service.close()
 
@@ -164,7 +149,7 @@ def test_an_eviction_past_the_slack_copies_the_rest_out_and_frees_the_backing(ll
     request = Request(first, 4)
     state = service.acquire(request, "n")
     assert state.reused_tokens == 2 * SIZE
-    assert_recomputed(model, first, prefill(model, first[2 * SIZE:], state.caches))
+    assert_recomputed(model, first, last_logits(model, first[2 * SIZE:], state.caches))
     service.release(request)
     service.close()
 
