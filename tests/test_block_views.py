@@ -9,6 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstate import KvCacheService, Request, Source
@@ -175,3 +177,33 @@ def test_two_conversations_on_one_system_prompt_each_stay_in_at_most_two_backing
         assert len({backing_of.get(e.id, ("own", e.id)) for e in chain}) <= 2
         assert len(chain) == len(prompts[who]) // SIZE + 1  # every full block and the partial last one in RAM
     service.close()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.sampled_from(["extend", "branch"]), st.integers(0, 2), st.integers(1, 40),
+                                st.integers(0, 10**6)), min_size=1, max_size=8))
+def test_any_mix_of_turns_branches_and_evictions_keeps_every_block_once_and_as_published(llama, steps):
+    """Random turns of three conversations, branches cut anywhere in one, and a RAM budget of six
+    blocks (so evictions come): after each, every block is in at most one backing, no backing holds
+    more than a step for no block (a block here, as in production), every block holds its tokens'
+    keys and values, and the turn continued as a recompute."""
+    model, config = llama
+    saved, block_views.SLACK = block_views.SLACK, SIZE
+    try:
+        probe = service_for(model, config)
+        turn(probe, model, tuple(range(1, SIZE + 1)))
+        per_block = probe.state.ram.bytes
+        probe.close()
+        service = service_for(model, config, ram_bytes=6 * per_block)
+        prompts = {who: tuple(range(1 + 50 * who, 9 + 50 * who)) for who in range(3)}
+        for kind, who, n, seed in steps:
+            prompt = prompts[who]
+            if kind == "branch":
+                prompt = prompt[:seed % len(prompt) + 1]
+            prompts[who] = prompt + tuple((seed + 7 * i) % 200 + 1 for i in range(n))
+            _, logits = turn(service, model, prompts[who])
+            assert_recomputed(model, prompts[who], logits)
+            assert_held_once_as_published(service, model)
+        service.close()
+    finally:
+        block_views.SLACK = saved
