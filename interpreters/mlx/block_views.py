@@ -156,16 +156,20 @@ def _movable(parent: int | None, ram: dict[int, Held], links: dict[int, Link]) -
         chain.append(at)
         at = links[at].parent
     chain.reverse()
-    held = [ram[entry] for entry in chain]
-    starts = [i for i, h in enumerate(held)
-              if i == 0 or not (isinstance(h, View) and isinstance(held[i - 1], View) and h.backing is held[i - 1].backing)]
-    for i in starts:
-        moving = set(chain[i:])
-        backings = {id(h.backing): h.backing for h in held[i:] if isinstance(h, View)}
-        if all(sum(m.stop - m.start for entry, m in backing.members.items() if entry not in moving) <= SLACK
-               for backing in backings.values()):
-            return chain[i:]
-    return []
+    # A backing's blocks on one chain are consecutive (a chain never rejoins a branch it left), so the
+    # run grows back from the chain's end one backing at a time, while each holds little off the chain.
+    on_chain, first = set(chain), len(chain)
+    while first > 0:
+        held = ram[chain[first - 1]]
+        if not isinstance(held, View):
+            first -= 1
+            continue
+        backing = held.backing
+        if sum(m.stop - m.start for entry, m in backing.members.items() if entry not in on_chain) > SLACK:
+            break
+        while first > 0 and isinstance(ram[chain[first - 1]], View) and ram[chain[first - 1]].backing is backing:
+            first -= 1
+    return chain[first:]
 
 
 def _staged_arrays(caches: list, stop: int) -> tuple[list[dict[str, mx.array]], int] | None:
