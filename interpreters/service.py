@@ -107,6 +107,10 @@ class KvCacheService:
         self._leases: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         self._lease_ids = itertools.count(1)
         self._handles = itertools.count(1)
+        #: Block events a step told, held until it ends: each observer hears one step's together.
+        self._told: list[BlockStored | BlockRemoved] = []
+        self._block_observers: list[tuple[Callable[[Any], None], bool]] = []
+        interpreter.block_observers.append(self._told.append)
         #: What the scan at start kept, deleted to fit the disk budget, and rejected.
         self.scan_result: ScanResult = self._run(interpreter.scan())
 
@@ -148,22 +152,39 @@ class KvCacheService:
         return self._state.config
 
     def _run(self, event: Any) -> Any:
-        """Step ``event``, carry out its effects and their completions' effects; the call's reply."""
+        """Step ``event``, carry out its effects and their completions' effects; the call's reply.
+        The block events they told go to the observers once all are carried out, even where one failed."""
         with self._lock:
-            result = step(self._state, event)
-            self._state = result.state
-            reply = result.reply
-            if not result.effects:
-                return reply
-            queue = deque(result.effects)
-            while queue:
-                for completion in self._interpreter.perform(queue.popleft()):
-                    follow = step(self._state, completion)
-                    self._state = follow.state
-                    queue.extend(follow.effects)
-                    if follow.reply is not None:
-                        reply = follow.reply
+            try:
+                return self._carry_out(event)
+            finally:
+                if self._told:
+                    self._tell_block_events()
+
+    def _carry_out(self, event: Any) -> Any:
+        result = step(self._state, event)
+        self._state = result.state
+        reply = result.reply
+        if not result.effects:
             return reply
+        queue = deque(result.effects)
+        while queue:
+            for completion in self._interpreter.perform(queue.popleft()):
+                follow = step(self._state, completion)
+                self._state = follow.state
+                queue.extend(follow.effects)
+                if follow.reply is not None:
+                    reply = follow.reply
+        return reply
+
+    def _tell_block_events(self) -> None:
+        told, self._told[:] = list(self._told), []
+        for observe, together in self._block_observers:
+            if together:
+                observe(told)
+            else:
+                for event in told:
+                    observe(event)
 
     def complete(self, completions: Iterable[Any]) -> None:
         """Feed completion events that arrived later (a background writer's)."""
@@ -419,17 +440,24 @@ class KvCacheService:
         """Call ``observe(tokens, namespace)`` for every prefix the service keeps (a router's index)."""
         self._interpreter.observers.append(observe)
 
-    def on_block_events(self, observe: Callable[[BlockStored | BlockRemoved], None]) -> None:
+    def on_block_events(self, observe: Callable[[Any], None], *, together: bool = False) -> None:
         """Call ``observe`` with each change of which full blocks a tier holds (``BlockStored``,
-        ``BlockRemoved``; the service is built with ``block_events``). It is first called with a
-        ``BlockStored`` for every block held now, then with every change, in order: what it is told
-        always adds up to what the tiers hold."""
+        ``BlockRemoved``; the service is built with ``block_events``). It is first told a
+        ``BlockStored`` for every block held now, then every change, in order: what it is told always
+        adds up to what the tiers hold. With ``together`` it is called once per call of the port that
+        changed something, with that call's events as a list (the held blocks being the first list),
+        as vLLM publishes one batch a scheduler step."""
         if not self.config.block_events:
             raise InvalidConfig("block events need a service built with block_events=True (and blocks)")
         with self._lock:
-            for stored in self._run(ev.HeldBlocksQuery()).blocks:
-                observe(stored)
-            self._interpreter.block_observers.append(observe)
+            held = list(self._run(ev.HeldBlocksQuery()).blocks)
+            if together:
+                if held:
+                    observe(held)
+            else:
+                for stored in held:
+                    observe(stored)
+            self._block_observers.append((observe, together))
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every prefix saved state holds, read from headers alone."""

@@ -119,7 +119,7 @@ def served():
     publisher = KvEventPublisher("tcp://127.0.0.1:*", block_size=BLOCK, replay_endpoint="tcp://127.0.0.1:*")
     told: list = []
     service.on_block_events(told.append)
-    service.on_block_events(publisher.told)
+    service.on_block_events(publisher.told_together, together=True)  # as kvstate serve subscribes
     yield service, publisher, told
     publisher.close()
     service.close()
@@ -149,6 +149,27 @@ def test_a_kept_prompt_is_told_as_one_chain_of_full_blocks_in_ram(served):
     assert stored[0].parent_block_hash is None and stored[0].token_ids == list(prompt[:8])
     assert stored[0].block_size == BLOCK and stored[0].lora_id is None and stored[0].extra_keys is None
     assert all(batch.data_parallel_rank == 0 for _, batch in batches)
+
+
+def test_an_observer_told_together_hears_each_call_of_the_port_as_one_list_in_order():
+    service = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, block_tokens=BLOCK, block_events=True)
+    serve(service, tuple(range(8)))
+    one_by_one: list = []
+    lists: list[list] = []
+    service.on_block_events(one_by_one.append)
+    service.on_block_events(lists.append, together=True)
+    assert lists == [one_by_one] and len(one_by_one) == 2  # what is held now, as the first list
+    request = Request(tuple(range(20)), 4)
+    service.admit(request)
+    state = service.acquire(request)
+    caches = service.interpreter.prefill(state.caches, tuple(range(20))[state.reused_tokens:])
+    before = len(lists)
+    service.publish(request, "default", tuple(range(20)), caches)  # three new full blocks, one call
+    assert len(lists) == before + 1
+    assert [e.name.tokens for e in lists[-1]] == [tuple(range(8, 12)), tuple(range(12, 16)), tuple(range(16, 20))]
+    assert [e for told in lists for e in told] == one_by_one  # the same events, in the same order
+    service.release(request)
+    service.close()
 
 
 def test_the_disk_tier_is_told_once_writes_land_and_removals_follow_evictions(served):
@@ -191,7 +212,7 @@ def test_a_publisher_that_starts_later_is_told_what_is_held_and_a_subscriber_rea
     subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
     subscriber.connect(publisher.endpoint)
     try:
-        service.on_block_events(publisher.told)
+        service.on_block_events(publisher.told)  # one by one: the thread batches what it finds waiting
         router = Router()
         for _, batch in replayed(publisher.replay_endpoint):
             router.read(batch)

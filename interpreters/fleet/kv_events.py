@@ -24,7 +24,8 @@ publishes them as vLLM's ``ZmqEventPublisher`` does, so what reads vLLM's events
 
 The first batch says ``AllBlocksCleared``: a router drops what it knew of this server (a restart),
 then learns what it holds. Events are batched as they queue: one batch is whatever the publishing
-thread finds waiting, consecutive stores of one chain and tier made one ``BlockStored``.
+thread finds waiting, consecutive stores of one chain and tier made one ``BlockStored``; the events
+of one call of the service (``told_together``, as ``kvstate serve`` subscribes) are never split.
 """
 
 from __future__ import annotations
@@ -126,18 +127,25 @@ class KvEventPublisher:
         self._closing = False
         self._thread = threading.Thread(target=self._publish_loop, name="kvstate-kv-events", daemon=True)
         self._thread.start()
-        self._queue(_AllBlocksCleared())
+        self._queue([_AllBlocksCleared()])
 
     def told(self, event: BlockStored | BlockRemoved) -> None:
         """One change the service tells (``on_block_events``'s callback)."""
+        self._queue([self._event(event)])
+
+    def told_together(self, events: list[BlockStored | BlockRemoved]) -> None:
+        """The changes of one call of the service (``on_block_events(..., together=True)``'s callback):
+        published in one batch, a chain's stores as one ``BlockStored``, however the thread runs."""
+        self._queue([self._event(event) for event in events])
+
+    def _event(self, event: BlockStored | BlockRemoved) -> Any:
         if isinstance(event, BlockStored):
             name = event.name
             parent = None if name.start == 0 else external_hash(name.parent)
             extra = None if name.namespace == self.default_namespace else [[name.namespace]]
-            self._queue(_BlockStored([external_hash(name.key)], parent, list(name.tokens), self.block_size,
-                                     None, event.medium, None, extra))
-        else:
-            self._queue(_BlockRemoved([external_hash(event.key)], event.medium))
+            return _BlockStored([external_hash(name.key)], parent, list(name.tokens), self.block_size,
+                                None, event.medium, None, extra)
+        return _BlockRemoved([external_hash(event.key)], event.medium)
 
     def close(self) -> None:
         """Publish what is queued, then stop (idempotent)."""
@@ -149,12 +157,13 @@ class KvEventPublisher:
         self._thread.join()
         self._close_sockets()
 
-    def _queue(self, event: Any) -> None:
+    def _queue(self, events: list) -> None:
+        """Queue ``events`` for one batch (with whatever else the thread finds waiting)."""
         with self._lock:
-            if self._closing:
+            if self._closing or not events:
                 return
-            self._pending.append(event)
-            if len(self._pending) == 1:  # the thread may be asleep: one wake for a run of events
+            self._pending.append(events)
+            if len(self._pending) == 1:  # the thread may be asleep: one wake for a run of calls
                 self._wake.send(b"")
 
     def _close_sockets(self) -> None:
@@ -174,7 +183,7 @@ class KvEventPublisher:
                 while self._wake_in.poll(0):
                     self._wake_in.recv()
                 with self._lock:
-                    events, closing = list(self._pending), self._closing
+                    events, closing = [e for told in self._pending for e in told], self._closing
                     self._pending.clear()
                 if events:
                     self._send(merged(events))

@@ -545,7 +545,7 @@ def kv_event_publisher(service: KvCacheService, options: argparse.Namespace) -> 
     publisher = KvEventPublisher(options.kv_events, block_size=service.config.block_tokens,
                                  replay_endpoint=options.kv_events_replay, topic=options.kv_events_topic,
                                  default_namespace=DEFAULT_NAMESPACE)
-    service.on_block_events(publisher.told)
+    service.on_block_events(publisher.told_together, together=True)
     logging.info("kvstate: KV events on %s%s", publisher.endpoint or options.kv_events,
                  f", replays on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
     return publisher
