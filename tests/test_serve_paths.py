@@ -106,6 +106,24 @@ def test_the_id_v1_models_advertises_reaches_the_served_models_cache_and_budget(
         server.stop()
 
 
+def test_a_request_for_a_model_that_cannot_load_leaves_the_served_model_serving_as_before(model_dir, tmp_path):
+    """A request names a model that does not exist: mlx-lm's provider drops the served model before it
+    fails to load the other, so the next request meets no tokenizer at all. It is the server's to
+    serve (it loads its model again), and it answers as before, from the same cache."""
+    server = Server(model_dir, log=tmp_path / "server.log")
+    try:
+        messages = [SYSTEM, {"role": "user", "content": "Name a colour, then another."}]
+        before = chat(server, messages)
+        with pytest.raises(openai.APIStatusError):
+            server.client.chat.completions.create(model=str(tmp_path / "no-such-model"), messages=messages,
+                                                  max_tokens=8, temperature=0.0)
+        after = chat(server, messages)
+        assert after.choices[0].message.content == before.choices[0].message.content
+        assert after.usage.prompt_tokens_details.cached_tokens >= before.usage.prompt_tokens - 1
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def short_model(tmp_path_factory):
     return save_model_dir(tmp_path_factory.mktemp("short") / "llama", "llama", seed=4, max_position_embeddings=512)

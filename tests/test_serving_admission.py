@@ -273,6 +273,59 @@ def test_a_request_waits_for_its_blocks_read_ahead_until_they_land_or_its_wait_i
             assert admission.next_admitted(polled, tokenize, 1.0) is busy
 
 
+def _fleet_of_two_with_blocks_on_the_store(prompt):
+    """A simulated server that wrote ``prompt``'s blocks to its disk and so to the shared store, and a
+    second server on the same store, in blocks of 4, whose fetches from the store land when collected."""
+    from kvstate import Request, SimCaches
+    from kvstate.interpreters.simulator import SimDisk, SimRemote
+    remote = SimRemote()
+
+    def server(**options):
+        return KvCacheService.simulated(SPEC, ram_bytes=BUDGET * 8, disk_bytes=BUDGET * 64, block_tokens=4,
+                                        interpreter_options={"remote": remote, "disk": SimDisk(), **options})
+    first = server()
+    lease = Request(prompt, 1)
+    first.acquire(lease)
+    first.publish(lease, "default", prompt, SimCaches(prompt, SPEC))
+    first.release(lease)
+    first.flush()
+    assert remote.objects
+    first.close()
+    return server(deferred_reads=True)
+
+
+def test_a_request_waits_for_its_blocks_fetched_from_the_shared_tier_until_they_land_or_its_wait_is_over(
+        monkeypatch):
+    """A request whose blocks the shared store holds (and this server lacks) waits for their fetch,
+    batch busy or not, and joins once they land; a fetch that outlasts ``REMOTE_WAIT_S`` is waited
+    for no longer, to the deadline itself."""
+    from kvstate.interpreters.serving import batch_admission as module
+    clock = [500.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    shared = list(range(1, 13))
+    for lands in (True, False):
+        clock[0] = 500.0
+        service = _fleet_of_two_with_blocks_on_the_store(tuple(shared))
+        reads, held = service._interpreter.complete_reads, [True]  # a slow store: the fetch lands when let go
+        monkeypatch.setattr(service._interpreter, "complete_reads", lambda: [] if held[0] else reads())
+        admission = BatchAdmission(KvStatePromptCache(service, "model"), share_wait_s=0.0)
+        (item,), arrivals, take, tokenize = _items([(shared + [50, 51], 4)])
+        arrivals.append(item)
+        assert admission.next_admitted(take, tokenize, 1.0) is None  # its fetch started: it waits
+        assert admission.next_admitted(take, tokenize, 1.0) is None
+        if lands:
+            held[0] = False
+            assert admission.next_admitted(take, tokenize, 1.0) is item
+            assert service.peek_prefix_len(shared + [50, 51], "default") == 0  # on disk, not in RAM
+            assert service.report().remote_blocks_read == 3
+        else:
+            clock[0] += module.REMOTE_WAIT_S - 0.001
+            assert admission.next_admitted(take, tokenize, 1.0) is None
+            clock[0] = 500.0 + module.REMOTE_WAIT_S  # the deadline itself: it goes on without its blocks
+            assert admission.next_admitted(take, tokenize, 1.0) is item
+        service.close()
+
+
 def test_a_pin_is_taken_when_the_reply_is_kept_not_at_a_segments_end():
     """A request's ``cache_pin_seconds`` pins its prompt once the state at the end of its reply is kept;
     the inserts at its segments' ends before that pin nothing."""

@@ -57,7 +57,8 @@ SERVING_FILES = ["interpreters/serving/prompt_cache.py", "interpreters/serving/b
                  "interpreters/serving/tenants.py", "interpreters/serving/deployment_keys.py",
                  "interpreters/serving/model_names.py", "interpreters/serving/pins.py"]
 SERVING_TESTS = ["tests/test_tenants.py", "tests/test_prompt_cache.py", "tests/test_serving_admission.py",
-                 "tests/test_pins.py", "tests/test_serve_paths.py", "tests/test_concurrency.py", "tests/test_serve.py",
+                 "tests/test_pins.py", "tests/test_held_segments.py", "tests/test_resumable_rows.py",
+                 "tests/test_serve_paths.py", "tests/test_concurrency.py", "tests/test_serve.py",
                  "tests/test_serve_pins.py", "tests/test_serve_resume.py", "tests/test_serve_snapshots.py"]
 #: Each wing: the files whose sites are mutated, and the tests a mutant runs against.
 WINGS = {"core": (None, CORE_TESTS), "serving": (SERVING_FILES, SERVING_TESTS)}

@@ -340,7 +340,8 @@ class Resumption:
         """Acquire ``lease``'s state (a resumed checkpoint, else what reuse finds) and start its
         generation: the generation, the server's tokenization to run (a resume's prompt is the tokens
         its caches cover, then its pending token) and the acquired state. A resume lowers
-        ``args.max_tokens`` by what it sends again."""
+        ``args.max_tokens`` by what it sends again. Raises :class:`CheckpointNotResumable` for a
+        checkpoint this server cannot resume: the caller releases ``lease`` unfinished, so it stays."""
         state = self.service.acquire(lease, namespace)
         resumable = getattr(request, RESUMABLE_ATTRIBUTE)
         top = (args.top_logprobs or 0) > 0
@@ -350,8 +351,7 @@ class Resumption:
                                     None, response)
         else:
             meta = state.resumed
-            if meta.pending_token is None:
-                self.service.release(lease, completed=False)
+            if meta.pending_token is None:  # the caller releases the lease, the checkpoint kept
                 raise CheckpointNotResumable(f"the checkpoint of {IDEMPOTENCY_HEADER} {resumable.key!r} records no "
                                              f"pending token; send the request with a new key")
             sent = state.resumed_tokens[len(lease.prompt):] + (meta.pending_token,)
