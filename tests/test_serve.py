@@ -500,13 +500,23 @@ def on_the_tests_clock(clock: Path) -> dict[str, str]:
     return with_server_hooks(KVSTATE_TEST_CLOCK=str(clock))
 
 
-def _wear(server: Server, disk: Path, clock: Path) -> tuple[float, float]:
+def _wear(server: Server, disk: Path, clock: Path) -> tuple[float, int]:
     """A three-turn conversation, then 10 s on the service's clock and one more request (the clock
-    reaches the service at each request): the bytes the disk tier wrote, and the files it holds."""
+    reaches the service at each request): the bytes the disk tier wrote, and the files it holds, once
+    every write it began has landed.
+
+    mlx-lm's server ends a reply's stream before it keeps the reply's state, so a client's next
+    request is what orders them: the last request is sent twice, and the second, the same tokens, keeps
+    nothing new, so once it is answered everything the first kept has been kept."""
     converse(server, [SYSTEM, {"role": "user", "content": "Tell me about the sea."}], turns=3)
     set_clock(clock, 10)
-    chat(server, [{"role": "user", "content": "Something else entirely."}], max_tokens=2)
-    return server.metrics()["kvstate_bytes_written_total"], len(list(disk.rglob("*.safetensors")))
+    for _ in range(2):
+        chat(server, [{"role": "user", "content": "Something else entirely."}], max_tokens=2)
+    deadline = time.monotonic() + 60
+    while (metrics := server.metrics())["kvstate_pending_writes"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # each scrape hears of the writes the background writer finished
+    assert metrics["kvstate_pending_writes"] == 0, "the server's writes did not land within a minute"
+    return metrics["kvstate_bytes_written_total"], len(list(disk.rglob("*.safetensors")))
 
 
 def test_an_idle_write_rule_writes_only_what_is_not_superseded_soon(model_dir, tmp_path):
