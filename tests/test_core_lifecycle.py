@@ -11,7 +11,7 @@ from kvstate.core.policies import POLICIES
 from kvstate.core.state import OBJECTS
 from kvstate.effects import completions as done
 from kvstate.effects import effects as fx
-from tests.core_driver import R, checkpointing, tiered, on_disk_only
+from tests.core_driver import Core, R, checkpointing, tiered, on_disk_only
 
 
 def test_ram_query_answers_entries_and_bytes_and_each_entry_where_asked():
@@ -23,6 +23,13 @@ def test_ram_query_answers_entries_and_bytes_and_each_entry_where_asked():
     core(ev.ObjectPut("img", 90, 4, 4))                              # an object in RAM: not a prefix
     on_disk_only(core, (20, 21, 22))                                 # a prefix on disk only: not in RAM
     assert {held.tokens for held in core(ev.RamQuery(each=True)).each} == {(1, 2, 3), (7, 8)}
+
+
+def test_a_scan_without_a_disk_tier_keeps_and_deletes_nothing_and_counts_what_it_rejected():
+    core = Core()
+    result = core(done.Scanned((done.SavedRecord("n", (1, 2), 20, True, 20, used_at=2.0),), rejected=3))
+    assert (result.kept, result.kept_bytes, result.deleted, result.deleted_bytes) == (0, 0, 0, 0)
+    assert result.rejected == 3 and core.effects == () and not core.state.entries
 
 
 def test_a_scan_finds_objects_and_prefixes_and_deletes_what_does_not_fit():

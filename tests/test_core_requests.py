@@ -11,8 +11,8 @@ from hypothesis import given, settings
 
 from kvstate.core import events as ev
 from kvstate.core.admission import alone_bytes
-from kvstate.core.checks import most_tokens_within
-from kvstate.core.errors import InvalidRequest, OverBudget, RequestKeepsNoState
+from kvstate.core.checks import most_tokens_within, size_text
+from kvstate.core.errors import InvalidRequest, NotAdmitted, OverBudget, RequestKeepsNoState
 from kvstate.core.replies import Admission, MaxTokensFit, Pending, Source
 from kvstate.core.request import Request
 from kvstate.core.state import Phase, ServiceConfig
@@ -209,8 +209,13 @@ def test_the_default_max_tokens_is_lowered_to_what_fits_and_a_requested_one_is_r
     assert "leaves no room for one generated token" in core(ev.FitMaxTokens(100, 512, requested=False)).refusal
     budgeted = Core(model=spec, kv_budget_bytes=spec.bytes_for(70))
     assert budgeted(ev.FitMaxTokens(60, 512, requested=False)) == MaxTokensFit(10)
-    assert "KV budget of" in budgeted(ev.FitMaxTokens(60, 11, requested=True)).refusal
+    over = budgeted(ev.FitMaxTokens(60, 11, requested=True)).refusal
+    assert "KV budget of" in over and f"need {size_text(alone_bytes(budgeted.state.config, 71))} of KV" in over
     assert budgeted(ev.FitMaxTokens(60, 10, requested=True)) == MaxTokensFit(10)  # exactly the budget runs
+    # A default refused for want of room: the refusal names what binds, the budget here, the context there.
+    no_room = budgeted(ev.FitMaxTokens(70, 512, requested=False)).refusal
+    assert "leaves no room" in no_room and "KV budget of" in no_room and "context limit" not in no_room
+    assert "context limit of 100" in budgeted(ev.FitMaxTokens(100, 512, requested=False)).refusal
     with pytest.raises(InvalidRequest, match="max_tokens"):
         core(ev.FitMaxTokens(60, 0, requested=True))
 
@@ -232,3 +237,14 @@ def test_a_default_max_tokens_lowered_to_one_token_still_runs_and_a_budget_below
     tiny = Core(model=spec, kv_budget_bytes=spec.bytes_for(1) - 1)
     assert "leaves no room" in tiny(ev.FitMaxTokens(0, 512, requested=False)).refusal
     assert "KV budget" in tiny(ev.FitMaxTokens(0, 1, requested=True)).refusal
+
+
+def test_an_acquire_never_admitted_is_refused_when_the_budget_has_no_room_unless_it_asks_to_wait():
+    core = Core(kv_budget_bytes=SPEC.bytes_for(10))
+    core.acquire((1, 2, 3))                                   # 7 tokens projected: admitted as it acquires
+    before = core.state
+    with pytest.raises(NotAdmitted, match="admit"):
+        core.acquire((4, 5, 6))                               # 7 more: no room, and it did not ask to wait
+    assert core.state == before
+    assert core(ev.Acquire(99, Request((4, 5, 6), 4), "n", 500, or_wait=True)) is Admission.WAIT
+    assert core.state == before
