@@ -10,7 +10,10 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import example, given
 
+from kvstate.core import events as ev
 from kvstate.core.sharing import Computing, shared_target
+from kvstate.core.tokens import Tokens
+from tests.core_driver import Core
 from tests.reference import usable
 
 prompts = st.lists(st.integers(0, 2), min_size=1, max_size=24).map(tuple)
@@ -80,3 +83,10 @@ def test_the_service_answers_a_wait_over_what_its_ram_serves_in_the_requests_nam
     service.release(request)
     assert service.shared_wait(prompt, "a", [row], 8) == 0      # RAM serves it already: no reason to wait
     assert service.shared_wait(prompt, "b", [row], 8) == 100    # another namespace's RAM serves it nothing
+
+
+def test_a_wait_asked_of_the_core_without_a_minimum_gain_is_worth_a_single_token():
+    core = Core()
+    core.keep((1, 2, 3))  # RAM serves three tokens of the prompt now
+    row = Computing(Tokens((1, 2, 3, 4, 5, 6)), (4,), 0, False)
+    assert core(ev.SharedWait(Tokens((1, 2, 3, 4, 9)), "n", (row,))) == 4  # one token more is worth it
