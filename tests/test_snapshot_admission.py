@@ -5,10 +5,14 @@ state sizes; snapshots at the end of a prompt are always kept."""
 
 from __future__ import annotations
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from kvstate import KvCacheService, LayerKind, LayerSpec, ModelSpec, Request, SimCaches
+from kvstate.core import events as ev
+from kvstate.core.replies import Kept
+from tests.core_driver import Core
 
 KV_HEADS, HEAD_DIM = 1, 4
 PER_TOKEN = 2 * KV_HEADS * HEAD_DIM * 2  # one attention layer, keys and values, 2-byte elements
@@ -64,3 +68,17 @@ def test_a_request_that_diverges_reuses_the_last_snapshot_kept_before_it():
     edited = prompt[:22] + (900, 901)
     state = service.acquire(Request(edited, 1), "n")
     assert state.reused_tokens == 16 and state.caches.tokens == edited[:16]
+
+
+def test_a_snapshot_published_to_the_core_without_saying_chunk_is_a_segments_end_and_kept():
+    """The core's ``Publish`` leaves ``chunk`` off unless told: a snapshot however large is then kept,
+    where a chunk one that large would be passed up."""
+    spec = hybrid(1 << 20)  # far more than the attention state of any prompt here
+    tokens = tuple(range(1, 9))
+    attention = 4 * PER_TOKEN
+    core = Core(model=spec, ram_capacity_bytes=1 << 30, block_tokens=4)
+    offer = ev.Publish(Request(tokens, 1), "n", tokens, 1, len(tokens), 2 * attention + (1 << 20), False, 0,
+                       ((attention, attention), (attention, attention)), (1 << 20, 1 << 20))
+    assert isinstance(core(offer), Kept)
+    chunk = Core(model=spec, ram_capacity_bytes=1 << 30, block_tokens=4)
+    assert not isinstance(chunk(attrs.evolve(offer, chunk=True)), Kept)
