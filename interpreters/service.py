@@ -178,7 +178,8 @@ class KvCacheService:
         return reply
 
     def _tell_block_events(self) -> None:
-        told, self._told[:] = list(self._told), []
+        told = self._told[:]
+        self._told.clear()
         for observe, together in self._block_observers:
             if together:
                 observe(told)
