@@ -10,7 +10,7 @@ evicted by the disk's policy in the order the files were last used, and counted.
 from __future__ import annotations
 
 from kvstate.core import block_events, events as ev
-from kvstate.core.blocks import block_key, namespace_key
+from kvstate.core.blocks import block_key, block_tag, namespace_key
 from kvstate.core.checkpoints import expire_untouched, found_at_scan
 from kvstate.core.checks import ensure_open, non_negative_int
 from kvstate.core.draft import Draft, Step
@@ -51,7 +51,7 @@ def enter_saved_blocks(d: Draft, saved: tuple[done.SavedBlock, ...]) -> int:
         if (not snapshot and (name.namespace, name.key) in d.blocks) or (
                 snapshot and d.disk.index.exact(name.namespace, path) is not None):
             return
-        tag = content_tag(name.namespace, path)
+        tag = content_tag(name.namespace, path) if snapshot else block_tag(name.key)
         d.disk.policy = d.disk.strategy.arriving(d.disk.policy, tag)
         if not make_disk_room(d, block.file_bytes):
             d.out.append(fx.DeleteFile(name))

@@ -124,17 +124,17 @@ def _restore(d: Draft, entry_id: int, length: int, handle: int) -> None:
         d.out.append(fx.RestoreEntry(entry.id, fx.DiskKey(entry.namespace, entry.tokens), length, handle))
         _pin(d, entry.id)
         return
-    parts = []
+    saved = []
     chain = chain_of(d, entry, length)
     for block in chain:
         if block.residence in IN_RAM:
-            parts.append(fx.BlockPart(block.id))
+            saved.append(None)
         else:
-            parts.append(fx.BlockPart(block.id, saved_name(d, block)))
+            saved.append(saved_name(d, block))
             _pin(d, block.id)
     # The last block first, as a RAM hit touches them.
     touch_all(d, [block for block in reversed(chain) if block.residence in IN_RAM])
-    d.out.append(fx.AssembleBlocks(handle, length, tuple(parts)))
+    d.out.append(fx.AssembleBlocks(handle, length, tuple(block.id for block in chain), tuple(saved)))
 
 
 def _serve_from_ram(d: Draft, entry: Entry, length: int, handle: int) -> None:
@@ -145,7 +145,7 @@ def _serve_from_ram(d: Draft, entry: Entry, length: int, handle: int) -> None:
         touch(d, entry)
         return
     chain = chain_of(d, entry, length)
-    d.out.append(fx.AssembleBlocks(handle, length, tuple(fx.BlockPart(block.id) for block in chain)))
+    d.out.append(fx.AssembleBlocks(handle, length, tuple([block.id for block in chain])))
     touch_all(d, chain[::-1])  # the last block first: a chain's start is its most recently used
 
 

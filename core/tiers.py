@@ -17,7 +17,7 @@ from kvstate.core.admission import held_bound
 from kvstate.core.draft import Draft, TierDraft
 from kvstate.core.pace import read_measured, read_pays
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason
-from kvstate.core.blocks import block_key, namespace_key, spans
+from kvstate.core.blocks import block_key, block_tag, namespace_key, spans
 from kvstate.core.state import (
     IN_RAM, ON_DISK, OBJECTS, Entry, Move, Phase, Residence, ServiceConfig, ServiceState, Writes, content_tag, moved,
 )
@@ -308,8 +308,16 @@ def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
 def touch_all(d: Draft, entries: list[Entry], disk: bool = False) -> None:
     """Each of ``entries`` was used now, in that order (a chain's blocks, the last first): as
     :func:`touch` of each, the tier's policy told in one call."""
-    for entry in entries:
-        _stamp(d, entry, disk)
+    now = d.now
+    stale = [entry for entry in entries if entry.last_used != now or (disk and entry.read_errors)]
+    if stale:  # the entries map changed once, not once a block
+        changed = d.entries.mutate()
+        for entry in stale:
+            changed[entry.id] = entry.used(now, 0 if disk else entry.read_errors)
+        d.entries = changed.finish()
+        if d.config.idle_rules:
+            for entry in stale:
+                d.idle = d.idle.used(entry.id, now, d.entries)
     tier = d.disk if disk else d.ram
     tier.policy = tier.strategy.accessed_all(tier.policy, [entry.id for entry in entries])
 
@@ -573,8 +581,7 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.out.append(fx.DropPublished(handle))
         return Kept(last.id, duplicate=True)
     need = sum(link.nbytes for link in missing) + (offer.snapshot[0] if snapshot_missing else 0)
-    prompt = memoryview(packed(offer.tokens))
-    tags = {link.start: content_tag(namespace, prompt[:link.stop * WIDTH]) for link in missing if link.held is None}
+    tags = {link.start: block_tag(link.key) for link in missing if link.held is None}
     for tag in tags.values():
         d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)
     spare = frozenset(link.held.id for link in links if link.held is not None)

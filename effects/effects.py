@@ -9,6 +9,9 @@ Effects marked *completes* answer with a completion event (done or failed).
 
 from __future__ import annotations
 
+import itertools
+from typing import Iterator
+
 import attrs
 
 
@@ -123,18 +126,30 @@ class BlockPart:
 
 @attrs.frozen
 class AssembleBlocks(Effect):
-    """Caches of the consecutive ``blocks`` (first position first), trimmed to their first ``tokens``
-    tokens, into ``handle``; where the last part is a snapshot, the layers that cannot be cut are its
-    (its length is ``tokens``). Completes where a part is read from disk (``RestoreDone`` naming the last
-    block, or ``RestoreFailed`` naming the block that failed); otherwise answers nothing, as a clone."""
+    """Caches of the consecutive ``blocks`` (entry ids, first position first), trimmed to their first
+    ``tokens`` tokens, into ``handle``; where the last part is a snapshot, the layers that cannot be cut
+    are its (its length is ``tokens``). ``saved`` names, block by block, the file each part is read
+    from (None: RAM holds it); empty where RAM holds every part, a hit's commonest case, so a hit
+    carries its chain as plain ids. Completes where a part is read from disk (``RestoreDone`` naming
+    the last block, or ``RestoreFailed`` naming the block that failed); otherwise answers nothing, as
+    a clone."""
 
     handle: int
     tokens: int
-    blocks: tuple[BlockPart, ...]
+    blocks: tuple[int, ...]
+    saved: tuple[BlockName | SnapshotName | None, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.saved and len(self.saved) != len(self.blocks):
+            raise ValueError(f"{len(self.saved)} saved names for {len(self.blocks)} blocks")
 
     @property
     def reads(self) -> bool:
-        return any(part.saved is not None for part in self.blocks)
+        return any(name is not None for name in self.saved)
+
+    def parts(self) -> Iterator[tuple[int, BlockName | SnapshotName | None]]:
+        """``(entry, saved)`` of each part, first position first (``saved`` None: from RAM)."""
+        return zip(self.blocks, self.saved or itertools.repeat(None))
 
 
 @attrs.frozen

@@ -195,9 +195,10 @@ class HeldState:
         self._snapshots.discard(e.entry)
         return []
 
-    def _is_snapshot(self, part: fx.BlockPart) -> bool:
-        """Whether a part of an assembly is a snapshot (the last one of its chain, if any)."""
-        return part.entry in self._snapshots if part.saved is None else isinstance(part.saved, fx.SnapshotName)
+    def _is_snapshot(self, entry: int, saved: fx.BlockName | fx.SnapshotName | None) -> bool:
+        """Whether part ``entry`` of an assembly (read from ``saved`` if named) is a snapshot (the last
+        one of its chain, if any)."""
+        return entry in self._snapshots if saved is None else isinstance(saved, fx.SnapshotName)
 
     def _notify_kept(self, e: fx.NotifyKept) -> list:
         for observe in self.observers:

@@ -382,21 +382,19 @@ class SimulatorInterpreter(HeldState):
     def _assemble_blocks(self, e: fx.AssembleBlocks) -> list:
         """The blocks' tokens joined, trimmed: RAM ones as kept, the others read from their files."""
         content, read, seconds, snapshot = [], [], 0.0, None
-        for part in e.blocks:
-            if part.saved is None:
-                held = self._ram[part.entry].packed
-            else:
-                file = self._read(part.saved)
-                if isinstance(file, Reason):
-                    pinned = tuple(p.entry for p in e.blocks if p.saved is not None)
-                    return [done.RestoreFailed(part.entry, e.handle, file, pinned)]
-                held = packed(file.content)
-                read.append(part.entry)
-                seconds += self._read_seconds(file)
-            if self._is_snapshot(part):
-                snapshot = held
-            else:
-                content.append(held)
+        for entry, saved in e.parts():
+            if saved is None:
+                content.append(self._ram[entry].packed)
+                continue
+            file = self._read(saved)
+            if isinstance(file, Reason):
+                pinned = tuple(entry for entry, saved in e.parts() if saved is not None)
+                return [done.RestoreFailed(entry, e.handle, file, pinned)]
+            content.append(packed(file.content))
+            read.append(entry)
+            seconds += self._read_seconds(file)
+        if self._is_snapshot(e.blocks[-1], e.saved[-1] if e.saved else None):  # a snapshot is always last
+            snapshot = content.pop()
         joined = b"".join(content)[:e.tokens * WIDTH]
         if snapshot is not None and snapshot != joined:
             raise InterpreterError(f"a snapshot of {len(snapshot) // WIDTH} tokens on blocks that hold others")

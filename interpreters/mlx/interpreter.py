@@ -401,13 +401,14 @@ class MlxInterpreter(HeldState):
         that cannot be cut from the snapshot that ends the chain, if one does."""
         started = time.perf_counter()
         chain, entries, snapshot = [], [], None
-        saved = tuple(p.entry for p in e.blocks if p.saved is not None)
-        for part in e.blocks:
-            if self._is_snapshot(part):
-                snapshot = part
+        saved = tuple(entry for entry, name in e.parts() if name is not None)
+        for part in e.parts():
+            if self._is_snapshot(*part):
+                snapshot = fx.BlockPart(*part)
                 continue
-            chain.append(self._ram[part.entry] if part.saved is None else part.saved)
-            entries.append(part.entry)
+            entry, name = part
+            chain.append(self._ram[entry] if name is None else name)
+            entries.append(entry)
         viewed = block_views.one_view(chain) if chain else None
         if viewed is not None:  # consecutive views of one array: handed out as one view, no copy
             assemble = functools.partial(mlx_blocks.assemble_joined, viewed)
