@@ -6,7 +6,8 @@ its effects) with 1k, 10k and 100k kept entries of 2,000 tokens (10 families
 sharing a 1,000-token system prompt, then 1,000 tokens of their own) and
 4,000-token prompts: a hit reuses an entry's 2,000 tokens, a miss shares
 nothing. Publish keeps a new 4,000-token state (capacity leaves room, so no
-eviction is timed). ``index lookup`` is the prefix index alone answering the
+eviction is timed). The clock ticks between samples, as a server's boundaries move it, so a
+hit restamps every entry or block it uses. ``index lookup`` is the prefix index alone answering the
 longest usable prefix of a hit prompt. The peer, ``LRUPromptCache`` (what
 ``mlx_lm.server`` uses), holds the same entries (with empty cache lists, so no
 tensor copy is timed on either side): ``fetch_nearest_cache`` of the hit
@@ -92,6 +93,9 @@ def measure(entries: int, samples: int, with_peer: bool = True) -> dict[str, lis
     table = {entry_tokens(i): i for i in range(entries)}
     gc.collect()
     for k in range(samples):
+        # The clock moves between requests, as a server's boundaries move it, so a hit restamps
+        # every entry (or block) it uses, as in production.
+        service.tick(float(k + 1))
         prompt = hit_prompt(k, entries)
         miss_prompt = tuple(range(3 * 10**9 + k * PROMPT, 3 * 10**9 + (k + 1) * PROMPT))
         hit, miss = Request(prompt, 256), Request(miss_prompt, 256)

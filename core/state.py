@@ -236,14 +236,18 @@ class ServiceConfig:
         return self.has_disk and self.checkpoint_every_tokens is not None
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class Entry(PackedIds):
     """One kept prefix, or one block of one (:mod:`~kvstate.core.blocks`): what it covers from the
     namespace's start (its ids packed; ``tokens`` and ``length`` read them), its bytes, and where it is.
 
     A block holds only the state of its own tokens, from ``start``; the blocks before it are its
     ``parent``'s chain, so serving it means assembling that chain. A whole prefix has no parent and
-    starts at 0."""
+    starts at 0.
+
+    Its fields live in its instance dict, not in slots, so the commonest changes (a use, a count of
+    the blocks extending it) copy one dict instead of calling the 20-field constructor: a hit on a
+    chain of n blocks restamps n entries."""
 
     id: int
     namespace: str
@@ -314,19 +318,21 @@ class Entry(PackedIds):
         return self.trimmable or self.block is None
 
     def counted(self, children: int, ram_children: int, disk_children: int) -> "Entry":
-        """With these counts of the held blocks that extend it (built directly, as ``used``)."""
-        return Entry(self.id, self.namespace, self.source, self.nbytes, self.trimmable, self.residence,
-                     self.last_used, self.session, self.protected, self.tag, self.file_bytes, self.demote,
-                     self.read_errors, self.parent, self.start, self.block, children, ram_children, disk_children,
-                     self.ends)
+        """With these counts of the held blocks that extend it."""
+        return self._with({"children": children, "ram_children": ram_children, "disk_children": disk_children})
 
     def used(self, now: float, read_errors: int) -> "Entry":
-        """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row (built directly: a hit's
-        commonest change)."""
-        return Entry(self.id, self.namespace, self.source, self.nbytes, self.trimmable, self.residence, now,
-                     self.session, self.protected, self.tag, self.file_bytes, self.demote, read_errors,
-                     self.parent, self.start, self.block, self.children, self.ram_children, self.disk_children,
-                     self.ends)
+        """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row."""
+        return self._with({"last_used": now, "read_errors": read_errors})
+
+    def _with(self, changes: dict) -> "Entry":
+        """This entry with ``changes`` to its fields: its dict copied, nothing else checked (the
+        fields changed here are the ones no check is about)."""
+        fields = self.__dict__.copy()
+        fields.update(changes)
+        entry = object.__new__(Entry)
+        object.__setattr__(entry, "__dict__", fields)
+        return entry
 
 
 @attrs.frozen

@@ -305,21 +305,20 @@ def touch(d: Draft, entry: Entry, disk: bool = False) -> None:
     tier.policy = tier.strategy.accessed(tier.policy, entry.id)
 
 
-def touch_all(d: Draft, entries: list[Entry], disk: bool = False) -> None:
-    """Each of ``entries`` was used now, in that order (a chain's blocks, the last first): as
-    :func:`touch` of each, the tier's policy told in one call."""
+def touch_all(d: Draft, entries: list[Entry]) -> None:
+    """Each of RAM ``entries`` was used now, in that order (a chain's blocks, the last first): as
+    :func:`touch` of each, the entries map changed once and RAM's policy told in one call."""
     now = d.now
-    stale = [entry for entry in entries if entry.last_used != now or (disk and entry.read_errors)]
-    if stale:  # the entries map changed once, not once a block
+    stale = [entry for entry in entries if entry.last_used != now]
+    if stale:
         changed = d.entries.mutate()
         for entry in stale:
-            changed[entry.id] = entry.used(now, 0 if disk else entry.read_errors)
+            changed[entry.id] = entry.used(now, entry.read_errors)
         d.entries = changed.finish()
         if d.config.idle_rules:
             for entry in stale:
                 d.idle = d.idle.used(entry.id, now, d.entries)
-    tier = d.disk if disk else d.ram
-    tier.policy = tier.strategy.accessed_all(tier.policy, [entry.id for entry in entries])
+    d.ram.policy = d.ram.strategy.accessed_all(d.ram.policy, [entry.id for entry in entries])
 
 
 def _stamp(d: Draft, entry: Entry, disk: bool) -> None:

@@ -207,3 +207,40 @@ def test_a_boundary_with_nothing_to_give_back_gives_back_nothing():
     state = initial_state(config())
     for pressure in (True, False):
         assert step(state, events.Boundary(pressure=pressure)).reply == GaveBack(0, 0)
+
+
+@pytest.mark.parametrize("name, value, accepted", [
+    ("pin_share", 0, True), ("pin_share", 1, True), ("pin_share", 0.25, True), ("pin_share", 1.5, False),
+    ("pin_share", -0.1, False), ("pin_share", "0.5", False), ("pin_share", True, False),
+    ("max_pin_seconds", 0, True), ("max_pin_seconds", 600.0, True), ("max_pin_seconds", -1, False),
+    ("max_pin_seconds", float("inf"), False), ("max_pin_seconds", "60", False), ("max_pin_seconds", False, False),
+])
+def test_pin_settings_take_a_share_and_finite_seconds(name, value, accepted):
+    if accepted:
+        assert getattr(config(**{name: value}), name) == value
+    else:
+        with pytest.raises(InvalidConfig, match=name):
+            config(**{name: value})
+
+
+@pytest.mark.parametrize("value, accepted", [(1, True), (256, True), (None, True), (0, False), ("256", False),
+                                             (True, False), (2.5, False)])
+def test_blocks_hold_a_positive_whole_number_of_tokens(value, accepted):
+    if accepted:
+        assert config(block_tokens=value).block_tokens == value
+    else:
+        with pytest.raises(InvalidConfig, match="block_tokens"):
+            config(block_tokens=value)
+
+
+@pytest.mark.parametrize("options, accepted", [
+    ({"block_tokens": 256, "disk_capacity_bytes": 1000}, True),
+    ({"block_tokens": 256}, False),                                # no disk tier to keep what it fetches
+    ({"disk_capacity_bytes": 1000}, False),                        # whole prefixes: no blocks to share
+])
+def test_a_shared_tier_needs_blocks_and_a_disk(options, accepted):
+    if accepted:
+        assert config(remote_tier=True, **options).remote_tier
+    else:
+        with pytest.raises(InvalidConfig, match="remote_tier needs"):
+            config(remote_tier=True, **options)
