@@ -589,18 +589,18 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
         return NotKept(reason)
-    config, parent, new, entering, held_ids = d.config, None, [], set(), []
+    config, parent, new, entering, held_ids, kept = d.config, None, [], set(), [], []
     for at, link in enumerate(links):  # first to last: each block's parent is made before it
         held = d.entries.get(link.held.id) if link.held is not None else None
         if held is None:  # no tier holds this block, nor any after it
-            new = _new_blocks(d, offer, links[at:], tags, parent)
+            new = _new_blocks(d, offer, links[at:], tags, parent, kept)
             parent = new[-1]
             break
         if held.residence not in IN_RAM:  # saved only: the published caches give its RAM copy back
             held = attrs.evolve(held, residence=moved(held.residence, Move.ADOPT), last_used=d.now)
             d.set_entry(held)
             d.ram.bytes += held.nbytes
-            d.out.append(fx.KeepBlock(handle, held.id, link.start, link.stop, parent))
+            kept.append(fx.KeptSpan(held.id, link.start, link.stop, parent))
             entering.add(held.id)
         held_ids.append(held.id)
         parent = held.id
@@ -621,8 +621,10 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
             touched.append(entry)
     touch_all(d, touched)
     last = d.entries[parent]
-    if last.trimmable:  # before the staged caches go, so an interpreter keeping the chain knows what stays
+    if last.trimmable:  # before the blocks are cut, so an interpreter keeping the chain knows what stays
         _drop_served_prefixes(d, last)
+    if kept:
+        d.out.append(fx.KeepBlocks(handle, tuple(kept)))
     d.out.append(fx.DropPublished(handle))
     if config.has_disk and config.write_behind and config.write_idle_after is None:
         for entry_id in new:
@@ -637,12 +639,13 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     return Kept(last.id)
 
 
-def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int], parent: int | None) -> list[int]:
+def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int], parent: int | None,
+                kept: list[fx.KeptSpan]) -> list[int]:
     """Entries in RAM for ``links``, the blocks of ``offer``'s chain no tier holds (always its last), on
-    block ``parent``; their ids. Each is made with its final counts (all but the last extended by the
+    block ``parent``; their ids (their spans appended to ``kept``). Each is made with its final counts (all but the last extended by the
     next, in RAM), the maps changed once and ``parent`` counted once: what :func:`add_entry` and
     :func:`insert_ram` of each would leave, bar the index and the policy (:func:`_enter_ram`)."""
-    namespace, handle, last = offer.namespace, offer.handle, len(links) - 1
+    namespace, last = offer.namespace, len(links) - 1
     # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
     trimmable = offer.snapshot is None
     entries, blocks, ids, above = d.entries.mutate(), d.blocks.mutate(), [], parent
@@ -656,7 +659,7 @@ def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int]
                                   ends=None if link.stop == length else link.stop)
         blocks[namespace, link.key] = entry_id
         d.ram.bytes += link.nbytes
-        d.out.append(fx.KeepBlock(handle, entry_id, link.start, link.stop, above))
+        kept.append(fx.KeptSpan(entry_id, link.start, link.stop, above))
         ids.append(entry_id)
         above = entry_id
     d.entries, d.blocks = entries.finish(), blocks.finish()

@@ -10,7 +10,7 @@ Effects marked *completes* answer with a completion event (done or failed).
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import attrs
 
@@ -92,18 +92,26 @@ class AdoptPublished(Effect):
     entry: int
 
 
-@attrs.frozen
-class KeepBlock(Effect):
-    """Positions ``start`` to ``stop`` of the caches staged under ``handle`` become kept RAM block
-    ``entry`` (the staged caches stay staged: a ``DropPublished`` lets them go). ``parent`` is the
-    block before it on its chain (None at the chain's start): the staged caches hold that block's
-    positions too, so an interpreter may keep the chain's blocks as views of one array."""
+class KeptSpan(NamedTuple):
+    """Positions ``start`` to ``stop`` of staged caches, kept as RAM block ``entry``; ``parent`` is the
+    block before it on its chain (None at the chain's start)."""
 
-    handle: int
     entry: int
     start: int
     stop: int
-    parent: int | None = None
+    parent: int | None
+
+
+@attrs.frozen
+class KeepBlocks(Effect):
+    """Spans of the caches staged under ``handle`` become kept RAM blocks, first position first (the
+    staged caches stay staged: a ``DropPublished`` lets them go). One effect for a publish's blocks:
+    the staged caches hold each block's parent's positions too, so an interpreter may keep
+    consecutive blocks as views of one array, and it comes after the drops of what the chain
+    supersedes, so the interpreter cutting it knows what stays."""
+
+    handle: int
+    spans: tuple[KeptSpan, ...]
 
 
 @attrs.frozen

@@ -50,7 +50,7 @@ PERFORMERS: dict[type, str] = {
     fx.MakeFresh: "_make_fresh",
     fx.CloneEntry: "_clone_entry",
     fx.AdoptPublished: "_adopt_published",
-    fx.KeepBlock: "_keep_block",
+    fx.KeepBlocks: "_keep_blocks",
     fx.KeepSnapshot: "_keep_snapshot",
     fx.AssembleBlocks: "_assemble_blocks",
     fx.DropPublished: "_drop_published",

@@ -368,9 +368,10 @@ class SimulatorInterpreter(HeldState):
         self._ram[e.entry] = self._handles.pop(e.handle)
         return []
 
-    def _keep_block(self, e: fx.KeepBlock) -> list:
-        caches = self._handles[e.handle]
-        self._ram[e.entry] = SimCaches(caches.packed[e.start * WIDTH:e.stop * WIDTH], self.model)
+    def _keep_blocks(self, e: fx.KeepBlocks) -> list:
+        data = self._handles[e.handle].packed
+        for span in e.spans:
+            self._ram[span.entry] = SimCaches(data[span.start * WIDTH:span.stop * WIDTH], self.model)
         return []
 
     def _keep_snapshot(self, e: fx.KeepSnapshot) -> list:

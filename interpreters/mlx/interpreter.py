@@ -158,8 +158,6 @@ class MlxInterpreter(HeldState):
         self._remote_worker = _Worker("kvstate-remote") if background and remote is not None else None
         #: The place on its chain of every RAM block kept from staged caches.
         self._links: dict[int, block_views.Link] = {}
-        #: Blocks a publish keeps, not cut yet: its consecutive ``KeepBlock``s are kept as one run.
-        self._keeping: list[fx.KeepBlock] = []
 
     @property
     def now(self) -> float:
@@ -283,36 +281,13 @@ class MlxInterpreter(HeldState):
 
     def ram_caches(self, entry: int) -> list:
         """The caches kept as RAM ``entry`` (for checks)."""
-        self._keep_blocks()
         held = self._ram[entry]
         return held if entry in self._snapshots else block_views.block_of(held)
 
-    def ram_entries(self) -> set[int]:
-        self._keep_blocks()
-        return super().ram_entries()
-
     def ram_backings(self) -> list[block_views.Backing]:
         """The arrays RAM blocks are views of (for checks)."""
-        self._keep_blocks()
         backings = {id(h.backing): h.backing for h in self._ram.values() if isinstance(h, block_views.View)}
         return list(backings.values())
-
-    def take(self, handle: int) -> Any:
-        self._keep_blocks()
-        return super().take(handle)
-
-    def unstage(self, handle: int) -> object:
-        self._keep_blocks()
-        return super().unstage(handle)
-
-    def perform(self, effect: fx.Effect) -> list:
-        # A publish's blocks are cut at its first effect that is not another of them, nor the drop of a
-        # block it supersedes (so the cut knows what stays).
-        if self._keeping and not (isinstance(effect, fx.KeepBlock) and effect.handle == self._keeping[0].handle
-                                  or isinstance(effect, fx.DropEntry)
-                                  and all(k.entry != effect.entry for k in self._keeping)):
-            self._keep_blocks()
-        return super().perform(effect)
 
     # ------------------------------------------------------------ performers
 
@@ -358,27 +333,23 @@ class MlxInterpreter(HeldState):
         self._ram[e.entry] = caches
         return []
 
-    def _keep_block(self, e: fx.KeepBlock) -> list:
+    def _keep_blocks(self, e: fx.KeepBlocks) -> list:
+        """Keep the publish's blocks: each run of consecutive ones as views of one array a layer
+        (:mod:`~kvstate.interpreters.mlx.block_views`), scheduled now, on the caller's stream, without
+        a wait (a publish does not stall a generation loop's next step)."""
         if e.handle not in self._handles:
-            raise InterpreterError(f"a block kept from handle {e.handle}, which stages nothing")
-        self._keeping.append(e)  # cut with the publish's other blocks, at its next effect
-        return []
-
-    def _keep_blocks(self) -> None:
-        """Keep the blocks the publish's ``KeepBlock``s named: each run of consecutive ones as views of
-        one array a layer (:mod:`~kvstate.interpreters.mlx.block_views`), scheduled now, on the
-        caller's stream, without a wait (a publish does not stall a generation loop's next step)."""
-        keeping, self._keeping = self._keeping, []
+            raise InterpreterError(f"blocks kept from handle {e.handle}, which stages nothing")
         runs: list[list[tuple[int, block_views.Link]]] = []
-        for e in keeping:
-            link = block_views.Link(e.start, e.stop, e.parent)
-            self._links[e.entry] = link
-            if runs and runs[-1][-1][0] == e.parent and runs[-1][-1][1].stop == e.start:
-                runs[-1].append((e.entry, link))
+        for span in e.spans:
+            link = block_views.Link(span.start, span.stop, span.parent)
+            self._links[span.entry] = link
+            if runs and runs[-1][-1][0] == span.parent and runs[-1][-1][1].stop == span.start:
+                runs[-1].append((span.entry, link))
             else:
-                runs.append([(e.entry, link)])
+                runs.append([(span.entry, link)])
         for run in runs:
-            self._ram.update(block_views.keep(self._handles[keeping[0].handle], run, self._ram, self._links))
+            self._ram.update(block_views.keep(self._handles[e.handle], run, self._ram, self._links))
+        return []
 
     def _drop_entry(self, e: fx.DropEntry) -> list:
         held = self._ram.get(e.entry)
