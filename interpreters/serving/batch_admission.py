@@ -396,8 +396,10 @@ class BatchAdmission:
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """The batch prefilled ``tokens`` prompt tokens in ``seconds`` (its pace: whether a disk hit
-        beats computing the same tokens, :mod:`kvstate.core.pace`; one of nothing teaches it nothing)."""
-        self.service.measure_prefill(tokens, seconds)
+        beats computing the same tokens, :mod:`kvstate.core.pace`). A step that prefilled nothing (a
+        decode step, most of them) teaches it nothing, so it costs no call of the port."""
+        if tokens > 0:
+            self.service.measure_prefill(tokens, seconds)
 
     def measure(self, batch_bytes: int) -> None:
         """The batch holds ``batch_bytes`` after a step: admission goes by it, and kept RAM the batch
