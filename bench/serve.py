@@ -37,6 +37,7 @@ tokens the server reported, then kvstate's figures as ratios of stock's, and the
 compiled (those only one of them needed by name).
 
     python bench/serve.py [--geometry small|1b|8b] [--workloads chat,agent,overflow,restart]
+    python bench/serve.py --workloads agent --rounds 4   # ABBA: each kind first half the time
     python bench/serve.py --workloads resume [--resume-tokens 2000 --kill-at 1500 --checkpoint-every 256]
     python bench/serve.py --architecture qwen3_next --workloads edit --prefill-step-size 256 --snapshot-every 256
 """
@@ -290,9 +291,11 @@ def summary(records: list[dict]) -> dict:
             "tok_per_s": tokens / seconds if seconds else 0.0, "cached": sum(r["cached"] for r in records)}
 
 
-def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
-    log = work / f"{kind}-{name}.log"
-    disk = work / f"disk-{kind}-{name}" if kind == "kvstate" and name in ("overflow", "restart") else None
+def run_workload(name: str, kind: str, model: Path, args, work: Path, round_: int = 0) -> dict:
+    """One server of ``kind`` through workload ``name`` (its ``round_``-th run: a log and a disk of its own)."""
+    run = f"{kind}-{name}" + (f"-{round_}" if round_ else "")
+    log = work / f"{run}.log"
+    disk = work / f"disk-{run}" if kind == "kvstate" and name in ("overflow", "restart") else None
     ram = args.ram_bytes
     if name == "overflow":
         ram = args.overflow_ram_bytes
@@ -327,6 +330,27 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path) -> dict:
     finally:
         server.stop()
     return summary(records)
+
+
+def run_rounds(name: str, model: Path, args, work: Path) -> tuple[dict, list[float]]:
+    """Workload ``name`` on ``--rounds`` servers of each kind, the kind that runs first alternating
+    (a host's drift, or a page cache the first server warmed, favours neither): each kind's figures
+    as the median of its rounds, and each round's TTFT p50 ratio."""
+    runs: dict[str, list[dict]] = {"kvstate": [], "stock": []}
+    for round_ in range(args.rounds):
+        order = ("kvstate", "stock") if round_ % 2 == 0 else ("stock", "kvstate")
+        for kind in order:
+            runs[kind].append(run_workload(name, kind, model, args, work, round_))
+    ratios = [ours["ttft_p50"] / theirs["ttft_p50"] for ours, theirs in zip(runs["kvstate"], runs["stock"])]
+    return {kind: _median_row(rows) for kind, rows in runs.items()}, ratios
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """Each figure of ``rows`` (one a round) as its median over the rounds (the TTFTs, all of them)."""
+    row = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key != "ttfts"}
+    row["requests"], row["cached"] = round(row["requests"]), round(row["cached"])
+    row["ttfts"] = [ttft for each in rows for ttft in each["ttfts"]]
+    return row
 
 
 def resume_run(kind: str, model: Path, args, work: Path, kill_after: float | None = None,
@@ -416,6 +440,10 @@ def main() -> None:
                         help="kvstate's chunk snapshots of a hybrid model (default: kvstate's)")
     parser.add_argument("--kvstate-flags", default="",
                         help="more flags for kvstate's server, as one string (e.g. \"--block-tokens 0\": whole prompts)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each workload this many times a kind, the first server alternating "
+                             "(kvstate, stock, stock, kvstate, ...): each kind's figures are the median "
+                             "of its rounds, and each round's TTFT p50 ratio is printed")
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--logs", default=None, help="keep the servers' logs in this directory")
     parser.add_argument("--jit-cache", type=Path, default=None,
@@ -447,7 +475,7 @@ def main() -> None:
         words_per_session = len(SYSTEM.split()) + args.turns * (args.user_words + args.max_tokens)
         working_set = int(args.sessions * 2 * words_per_session * 1.5 * per_token)  # about 1.5 tokens a word
         args.overflow_ram_bytes = max(1 << 20, working_set // 4)
-    rows = {}
+    rows, round_ratios = {}, {}
     try:
         for name in args.workloads.split(","):
             if name == "resume":
@@ -456,7 +484,7 @@ def main() -> None:
                 rows[name] = {"kvstate": resumed, "uninterrupted": whole,
                               "stock": resume_run("stock", model_dir, args, work, resumed["killed_at"])}
                 continue
-            rows[name] = {kind: run_workload(name, kind, model_dir, args, work) for kind in ("kvstate", "stock")}
+            rows[name], round_ratios[name] = run_rounds(name, model_dir, args, work)
     except BaseException:
         keep_logs(work, args.logs)  # a failed run's logs say why: keep them where asked, and the folder
         raise
@@ -476,6 +504,9 @@ def main() -> None:
         ours, stock = kinds["kvstate"], kinds["stock"]
         print(f"{'':10}{'ratio':9}{'':>9}{ours['ttft_p50'] / stock['ttft_p50']:>12.2f}x"
               f"{ours['ttft_p99'] / stock['ttft_p99']:>12.2f}x{ours['tok_per_s'] / max(stock['tok_per_s'], 1e-9):>8.2f}x")
+        if len(round_ratios.get(name, ())) > 1:
+            print(f"{'':10}{'rounds':9}{'':>9}  TTFT p50 ratio of each: "
+                  + ", ".join(f"{ratio:.2f}x" for ratio in round_ratios[name]))
     kernels = {kind: compiled_kernels(args.jit_cache / kind) for kind in ("kvstate", "stock")}
     driver = {kind: sum(name.startswith("cuda/") for name in names) for kind, names in kernels.items()}
     print(f"kernels compiled on first use, kept in {args.jit_cache}: kvstate {len(kernels['kvstate'])} "
@@ -486,6 +517,7 @@ def main() -> None:
                 print(f"  only {kind}: {name}")
     if args.json:
         rows["compiled_kernels"] = {kind: sorted(names) for kind, names in kernels.items()}
+        rows["round_ratios"] = round_ratios
         Path(args.json).write_text(json.dumps(rows, indent=1))
     keep_logs(work, args.logs)
     shutil.rmtree(work, ignore_errors=True)
