@@ -136,3 +136,15 @@ def test_a_table_keeps_only_the_blocks_it_lacks_and_names_an_unknown_block():
     with pytest.raises(ValueError):
         chain("n", (1, 2), 0)
     assert len(chain("n", (1, 2, 3), 1)) == 3                        # a block may hold a single token
+
+
+def test_saved_chains_are_the_prefixes_whose_every_block_is_saved():
+    from kvstate.core.blocks import block_names, saved_chains
+    a, b, c = block_names("n", (1, 2, 3, 4, 5, 6), 2)
+    d, = block_names("m", (7, 8), 2)
+    assert sorted(saved_chains([a, b, c, d])) == [("m", (7, 8)), ("n", (1, 2)), ("n", (1, 2, 3, 4)),
+                                                  ("n", (1, 2, 3, 4, 5, 6))]
+    assert sorted(saved_chains([a, c])) == [("n", (1, 2))]          # c's parent is missing: no chain ends in it
+    assert saved_chains([b, c]) == []                               # nor without the first block
+    singles = block_names("n", (1, 2, 3), 1)                           # blocks of one token start at 0, 1, 2
+    assert sorted(saved_chains(singles)) == [("n", (1,)), ("n", (1, 2)), ("n", (1, 2, 3))]

@@ -181,3 +181,27 @@ def test_a_longer_trimmable_entry_supersedes_the_shorter_ones_it_serves_in_ram()
     assert core.residence(short) is R.DISK                        # the saved copy stays
     assert {core.residence(e) for e in (exact, other, longer)} == {R.SPILLING}
     assert core(ev.Acquire(9, Request((1, 2, 9), 4), "n", 99)).reused_tokens == 2  # served by the longer
+
+
+def test_a_scan_enters_a_saved_snapshot_at_its_chains_end_and_deletes_one_that_is_not():
+    from kvstate.core.blocks import block_names
+    core = tiered(block_tokens=2)
+    first, second = block_names("n", (1, 2, 3, 4), 2)
+    at_end = fx.SnapshotName("n", (1, 2, 3, 4), second.key)
+    short = fx.SnapshotName("n", (1, 2, 3), second.key)       # not the state after the block it names
+    other = fx.SnapshotName("n", (1, 2, 9, 9), second.key)    # as long, but after other tokens
+    saved = [done.SavedBlock(name, 10, 10, trimmable=False) for name in (first, second, at_end, short, other)]
+    core(done.Scanned(blocks=tuple(saved)))
+    snapshots = [e for e in core.state.entries.values() if e.is_snapshot]
+    assert [(s.tokens, s.residence) for s in snapshots] == [((1, 2, 3, 4), R.DISK)]
+    assert core.of(fx.DeleteFile) == [fx.DeleteFile(short), fx.DeleteFile(other)]
+
+
+def test_a_saved_partial_block_a_scan_found_is_deleted_once_a_longer_chain_supersedes_it():
+    from kvstate.core.blocks import block_names
+    core = tiered(block_tokens=2)
+    full, partial = block_names("n", (1, 2, 3), 2)
+    core(done.Scanned(blocks=(done.SavedBlock(full, 10, 10), done.SavedBlock(partial, 5, 5))))
+    tokens = (1, 2, 3, 4)
+    core(ev.Publish(Request(tokens, 1), "n", tokens, 999, 4, 20, True, 20, blocks=((10, 10), (10, 10))))
+    assert fx.DeleteFile(partial) in core.of(fx.DeleteFile) and core.counts()["superseded"] == 1

@@ -180,6 +180,18 @@ def test_an_acquire_that_reuses_other_than_admission_expected_moves_the_charge()
     assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 200 + 230 + STEP - 1)
 
 
+def test_a_prompt_held_whole_is_expected_to_reuse_all_but_its_last_token():
+    """The last token is always computed (its logits start the generation), so a row whose whole prompt
+    is held is charged from a reuse one token short of it."""
+    positions = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1)
+    service = KvCacheService.simulated(SPEC, ram_bytes=positions * 1000, kv_budget_bytes=positions * 4000,
+                                       batch_padding_step=STEP)
+    prompt = tuple(range(1, 201))
+    _held(service, prompt)
+    assert service.admit(Request(prompt, 10), "n") and service.admit(Request(tuple(range(500, 720)), 10), "n")
+    assert service.report().projected_bytes == 2 * attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 199 + 230 + STEP - 1)
+
+
 def test_a_namespace_that_holds_nothing_for_the_prompt_expects_no_reuse():
     positions = attention_bytes(LAYERS, KV_HEADS, HEAD_DIM, 1)
     service = KvCacheService.simulated(SPEC, ram_bytes=positions * 1000, kv_budget_bytes=positions * 4000,

@@ -50,7 +50,8 @@ CORE_TESTS = ["tests/test_core_requests.py", "tests/test_core_tiers.py", "tests/
          "tests/test_core_and_lab_policies.py", "tests/test_against_libcachesim.py",
          "tests/test_tiers.py", "tests/test_lab.py::test_unbounded_replays_reproduce_the_published_figures",
          "tests/test_model_check_checkpoints.py", "tests/test_model_check.py", "tests/test_pace.py",
-         "tests/test_disk_wear.py", "tests/test_idle.py", "tests/test_remote_tier.py", "tests/test_kv_events.py"]
+         "tests/test_disk_wear.py", "tests/test_idle.py", "tests/test_remote_tier.py", "tests/test_kv_events.py",
+         "tests/test_pins.py"]
 #: The serving wing's code where tenants, names and budgets are decided, and the tests that hold it:
 #: the quick ones first, then those that run real servers through the ``openai`` client.
 SERVING_FILES = ["interpreters/serving/prompt_cache.py", "interpreters/serving/batch_admission.py",
