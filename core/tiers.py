@@ -642,9 +642,10 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
 def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int], parent: int | None,
                 kept: list[fx.KeptSpan]) -> list[int]:
     """Entries in RAM for ``links``, the blocks of ``offer``'s chain no tier holds (always its last), on
-    block ``parent``; their ids (their spans appended to ``kept``). Each is made with its final counts (all but the last extended by the
-    next, in RAM), the maps changed once and ``parent`` counted once: what :func:`add_entry` and
-    :func:`insert_ram` of each would leave, bar the index and the policy (:func:`_enter_ram`)."""
+    block ``parent``; their ids (their spans appended to ``kept``). Each is made with its final counts
+    (all but the last extended by the next, in RAM), the maps changed once and ``parent`` counted once:
+    what :func:`add_entry` and :func:`insert_ram` of each would leave, bar the index and the policy
+    (:func:`_enter_ram`)."""
     namespace, last = offer.namespace, len(links) - 1
     # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
     trimmable = offer.snapshot is None
