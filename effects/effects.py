@@ -147,17 +147,16 @@ class AssembleBlocks(Effect):
     blocks: tuple[int, ...]
     saved: tuple[BlockName | SnapshotName | None, ...] = ()
 
-    def __attrs_post_init__(self) -> None:
-        if self.saved and len(self.saved) != len(self.blocks):
-            raise ValueError(f"{len(self.saved)} saved names for {len(self.blocks)} blocks")
-
     @property
     def reads(self) -> bool:
         return any(name is not None for name in self.saved)
 
     def parts(self) -> Iterator[tuple[int, BlockName | SnapshotName | None]]:
-        """``(entry, saved)`` of each part, first position first (``saved`` None: from RAM)."""
-        return zip(self.blocks, self.saved or itertools.repeat(None))
+        """``(entry, saved)`` of each part, first position first (``saved`` None: from RAM); a name
+        for each block where any is named (``ValueError`` on reaching a mismatch)."""
+        if not self.saved:
+            return zip(self.blocks, itertools.repeat(None))
+        return zip(self.blocks, self.saved, strict=True)
 
 
 @attrs.frozen

@@ -18,6 +18,15 @@ def config(**options) -> ServiceConfig:
     return ServiceConfig(**{"model": SPEC, "ram_capacity_bytes": 100, **options})
 
 
+def accepted_or_named(name: str, value, accepted: bool) -> None:
+    """Setting ``name`` to ``value`` is accepted as given, or refused with an error that names it."""
+    if accepted:
+        assert getattr(config(**{name: value}), name) == value
+    else:
+        with pytest.raises(InvalidConfig, match=name):
+            config(**{name: value})
+
+
 @pytest.mark.parametrize("name", SIZES)
 def test_every_size_setting_accepts_zero_and_refuses_minus_one(name):
     assert getattr(config(**{name: 0}), name) == 0
@@ -37,11 +46,7 @@ def test_only_the_optional_sizes_may_be_none(name, optional):
 
 @pytest.mark.parametrize("seconds, accepted", [(0.001, True), (0.5, True), (1, True), (0, False), (-1, False)])
 def test_demotion_takes_any_positive_idle_time(seconds, accepted):
-    if accepted:
-        assert config(demote_idle_after=seconds).demote_idle_after == seconds
-    else:
-        with pytest.raises(InvalidConfig, match="demote_idle_after"):
-            config(demote_idle_after=seconds)
+    accepted_or_named("demote_idle_after", seconds, accepted)
 
 
 def test_checkpoints_every_token_is_allowed_and_need_a_disk_tier():
@@ -216,21 +221,13 @@ def test_a_boundary_with_nothing_to_give_back_gives_back_nothing():
     ("max_pin_seconds", float("inf"), False), ("max_pin_seconds", "60", False), ("max_pin_seconds", False, False),
 ])
 def test_pin_settings_take_a_share_and_finite_seconds(name, value, accepted):
-    if accepted:
-        assert getattr(config(**{name: value}), name) == value
-    else:
-        with pytest.raises(InvalidConfig, match=name):
-            config(**{name: value})
+    accepted_or_named(name, value, accepted)
 
 
 @pytest.mark.parametrize("value, accepted", [(1, True), (256, True), (None, True), (0, False), ("256", False),
                                              (True, False), (2.5, False)])
 def test_blocks_hold_a_positive_whole_number_of_tokens(value, accepted):
-    if accepted:
-        assert config(block_tokens=value).block_tokens == value
-    else:
-        with pytest.raises(InvalidConfig, match="block_tokens"):
-            config(block_tokens=value)
+    accepted_or_named("block_tokens", value, accepted)
 
 
 @pytest.mark.parametrize("options, accepted", [

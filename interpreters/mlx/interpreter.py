@@ -373,11 +373,10 @@ class MlxInterpreter(HeldState):
         started = time.perf_counter()
         chain, entries, snapshot = [], [], None
         saved = tuple(entry for entry, name in e.parts() if name is not None)
-        for part in e.parts():
-            if self._is_snapshot(*part):
-                snapshot = fx.BlockPart(*part)
+        for entry, name in e.parts():
+            if self._is_snapshot(entry, name):
+                snapshot = fx.BlockPart(entry, name)
                 continue
-            entry, name = part
             chain.append(self._ram[entry] if name is None else name)
             entries.append(entry)
         viewed = block_views.one_view(chain) if chain else None
