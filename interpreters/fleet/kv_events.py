@@ -47,6 +47,10 @@ except ImportError:  # the fleet extra is not installed: KvEventPublisher says s
 #: The end of a replay: its sequence number, signed (vLLM's ``END_SEQ``).
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
+#: How long a close waits for a connected subscriber to take what was published (a router that
+#: stopped reading must not hold a server's stop for longer).
+CLOSE_LINGER_MS = 5000
+
 
 class FleetExtraMissing(ImportError):
     """``pyzmq`` or ``msgspec`` is not installed: KV events need the ``fleet`` extra."""
@@ -102,7 +106,9 @@ class KvEventPublisher:
         self._lock = threading.Lock()
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
         self._sequence = itertools.count()
-        self._context = zmq.Context.instance()
+        # A context of its own, ended at close: only ending it sends what is still queued (the process
+        # may exit right after, and a shared context is never ended before that).
+        self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._replay = None
@@ -148,7 +154,8 @@ class KvEventPublisher:
         return _BlockRemoved([external_hash(event.key)], event.medium)
 
     def close(self) -> None:
-        """Publish what is queued, then stop (idempotent)."""
+        """Publish what is queued, send it to the subscribers connected (for up to
+        ``CLOSE_LINGER_MS``), then stop (idempotent)."""
         with self._lock:
             if self._closing:
                 return
@@ -169,7 +176,8 @@ class KvEventPublisher:
     def _close_sockets(self) -> None:
         for socket in (self._pub, self._replay, self._wake, self._wake_in):
             if socket is not None:
-                socket.close(linger=1000 if socket is self._pub else 0)
+                socket.close(linger=CLOSE_LINGER_MS if socket is self._pub else 0)
+        self._context.term()
 
     def _publish_loop(self) -> None:
         poller = zmq.Poller()
