@@ -6,7 +6,8 @@ first token is the time to the first content chunk). Stock gets ``--prompt-cache
 ``--prompt-cache-size`` that never binds, so both hold the same RAM.
 
 - ``chat``: S sessions of T turns, C sessions at a time; each turn adds the reply and a new user
-  message. Everything fits in RAM.
+  message (a session's first message opens with a document of ``--document-words`` words, if
+  given: long conversations of short turns). Everything fits in RAM.
 - ``agent``: one conversation of T steps, each appending a tool result to it.
 - ``overflow``: the chat workload, round-robin over sessions, with RAM a quarter of the working set;
   kvstate has a disk tier behind it.
@@ -38,6 +39,7 @@ compiled (those only one of them needed by name).
 
     python bench/serve.py [--geometry small|1b|8b] [--workloads chat,agent,overflow,restart]
     python bench/serve.py --workloads agent --rounds 4   # ABBA: each kind first half the time
+    python bench/serve.py --workloads overflow,restart --document-words 400 --user-words 60
     python bench/serve.py --workloads resume [--resume-tokens 2000 --kill-at 1500 --checkpoint-every 256]
     python bench/serve.py --architecture qwen3_next --workloads edit --prefill-step-size 256 --snapshot-every 256
 """
@@ -192,7 +194,7 @@ class Server:
         connection.close()
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return {"ttft": (first or end) - start, "tokens": usage.get("completion_tokens", 0), "seconds": end - start,
-                "cached": cached, "reply": "".join(pieces)}
+                "cached": cached, "prompt": usage.get("prompt_tokens", 0), "reply": "".join(pieces)}
 
     def written_checkpoints(self) -> float:
         """kvstate's ``kvstate_checkpoints_written_total`` now (0 where the server does not answer it)."""
@@ -228,15 +230,20 @@ class Server:
 
 
 def conversation_turns(server: Server, sessions: int, turns: int, concurrency: int, user_words: int,
-                       max_tokens: int, round_robin: bool = False, skip: int = 0, histories=None) -> list[dict]:
-    """Run ``turns`` turns of ``sessions`` chats; the records of turns from ``skip`` on."""
+                       max_tokens: int, round_robin: bool = False, skip: int = 0, histories=None,
+                       document_words: int = 0) -> list[dict]:
+    """Run ``turns`` turns of ``sessions`` chats; the records of turns from ``skip`` on. A session's
+    first message opens with a document of ``document_words`` words of its own."""
     histories = histories if histories is not None else [[{"role": "system", "content": SYSTEM}]
                                                          for _ in range(sessions)]
     records: list[dict] = []
 
     def turn(s: int, t: int) -> dict:
         history = histories[s]
-        history.append({"role": "user", "content": text(user_words, s * 100 + t)})
+        message = text(user_words, s * 100 + t)
+        if document_words and len(history) == 1:  # the session's first message: its document, then it
+            message = text(document_words, 10_000 + s) + "\n\n" + message
+        history.append({"role": "user", "content": message})
         result = server.chat(history, max_tokens)
         history.append({"role": "assistant", "content": result["reply"]})
         return result
@@ -288,7 +295,8 @@ def summary(records: list[dict]) -> dict:
     seconds = sum(r["seconds"] for r in records)
     return {"requests": len(records), "ttft_p50": statistics.median(ttfts), "ttfts": [r["ttft"] for r in records],
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "tok_per_s": tokens / seconds if seconds else 0.0, "cached": sum(r["cached"] for r in records)}
+            "tok_per_s": tokens / seconds if seconds else 0.0, "cached": sum(r["cached"] for r in records),
+            "prompt_tokens": [min(r["prompt"] for r in records), max(r["prompt"] for r in records)]}
 
 
 def run_workload(name: str, kind: str, model: Path, args, work: Path, round_: int = 0) -> dict:
@@ -304,12 +312,13 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path, round_: in
     try:
         if name == "chat":
             records = conversation_turns(server, args.sessions, args.turns, args.concurrency, args.user_words,
-                                         args.max_tokens)
+                                         args.max_tokens, document_words=args.document_words)
         elif name == "agent":
             records = agent_steps(server, args.turns * 2, args.tool_words, args.max_tokens)
         elif name == "overflow":
             records = conversation_turns(server, args.sessions * 2, args.turns, args.concurrency, args.user_words,
-                                         args.max_tokens, round_robin=True, skip=1)
+                                         args.max_tokens, round_robin=True, skip=1,
+                                         document_words=args.document_words)
         elif name == "edit":
             records = edits(server, args.sessions, args.user_words, args.max_tokens)
         elif name == "burst":
@@ -321,7 +330,7 @@ def run_workload(name: str, kind: str, model: Path, args, work: Path, round_: in
             histories = [[{"role": "system", "content": SYSTEM}] for _ in range(args.sessions)]
             before = args.restart_turns if args.restart_turns is not None else max(1, args.turns - 1)
             conversation_turns(server, args.sessions, before, args.concurrency, args.user_words, args.max_tokens,
-                               histories=histories)
+                               histories=histories, document_words=args.document_words)
             server.stop()
             server = Server(kind, model, ram, disk, log, args.jit_cache)
             server.warm_up(args.warm_up_batch, args.user_words)
@@ -347,9 +356,10 @@ def run_rounds(name: str, model: Path, args, work: Path) -> tuple[dict, list[flo
 
 def _median_row(rows: list[dict]) -> dict:
     """Each figure of ``rows`` (one a round) as its median over the rounds (the TTFTs, all of them)."""
-    row = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key != "ttfts"}
+    row = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key not in ("ttfts", "prompt_tokens")}
     row["requests"], row["cached"] = round(row["requests"]), round(row["cached"])
     row["ttfts"] = [ttft for each in rows for ttft in each["ttfts"]]
+    row["prompt_tokens"] = [min(each["prompt_tokens"][0] for each in rows), max(each["prompt_tokens"][1] for each in rows)]
     return row
 
 
@@ -427,6 +437,8 @@ def main() -> None:
     parser.add_argument("--restart-turns", type=int, default=None,
                         help="turns of each session before the restart (default: --turns minus one)")
     parser.add_argument("--user-words", type=int, default=150)
+    parser.add_argument("--document-words", type=int, default=0,
+                        help="a document of this many words opens each chat session (long context, short turns)")
     parser.add_argument("--tool-words", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ram-bytes", type=int, default=4 << 30)
@@ -472,7 +484,8 @@ def main() -> None:
         model, _ = build(args.architecture, vocab_size=512, dtype=dtype, **geometry)
         from kvstate.models.mlx_adapter import spec_from_model
         per_token = spec_from_model(model, "bench").bytes_for(1000) / 1000
-        words_per_session = len(SYSTEM.split()) + args.turns * (args.user_words + args.max_tokens)
+        words_per_session = (len(SYSTEM.split()) + args.document_words
+                             + args.turns * (args.user_words + args.max_tokens))
         working_set = int(args.sessions * 2 * words_per_session * 1.5 * per_token)  # about 1.5 tokens a word
         args.overflow_ram_bytes = max(1 << 20, working_set // 4)
     rows, round_ratios = {}, {}
@@ -490,17 +503,17 @@ def main() -> None:
         raise
     print(f"geometry {args.geometry}, {mx.default_device()}, sessions {args.sessions}, turns {args.turns}, "
           f"concurrency {args.concurrency}, RAM {args.ram_bytes >> 20} MiB (overflow {args.overflow_ram_bytes >> 20} "
-          f"MiB)")
+          f"MiB), document {args.document_words} words, user turns {args.user_words} words")
     if any(name != "resume" for name in rows):
         print(f"{'workload':10}{'server':9}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}"
-              f"{'cached':>9}")
+              f"{'cached':>9}{'prompts (tokens)':>18}")
     for name, kinds in rows.items():
         if name == "resume":
             print_resume(kinds)
             continue
         for kind, row in kinds.items():
             print(f"{name:10}{kind:9}{row['requests']:>9}{row['ttft_p50'] * 1e3:>13.1f}{row['ttft_p99'] * 1e3:>13.1f}"
-                  f"{row['tok_per_s']:>9.1f}{row['cached']:>9}")
+                  f"{row['tok_per_s']:>9.1f}{row['cached']:>9}{'%d-%d' % tuple(row['prompt_tokens']):>18}")
         ours, stock = kinds["kvstate"], kinds["stock"]
         print(f"{'':10}{'ratio':9}{'':>9}{ours['ttft_p50'] / stock['ttft_p50']:>12.2f}x"
               f"{ours['ttft_p99'] / stock['ttft_p99']:>12.2f}x{ours['tok_per_s'] / max(stock['tok_per_s'], 1e-9):>8.2f}x")
