@@ -18,6 +18,7 @@ import attrs
 from kvstate.core.blocks import block_key
 from kvstate.core.errors import KvStateError
 from kvstate.core.tokens import packed
+from kvstate.interpreters.observers import Observers
 from kvstate.effects import effects as fx
 from kvstate.effects.completions import Scanned
 
@@ -77,7 +78,7 @@ PERFORMERS: dict[type, str] = {
 class Interpreter(Protocol):
     """What the service facade needs of an interpreter."""
 
-    observers: list[Callable[[tuple[int, ...], str], None]]
+    observers: Observers
     block_observers: list[Callable[[fx.BlockStored | fx.BlockRemoved], None]]
 
     @property
@@ -146,7 +147,8 @@ class HeldState:
         self._snapshots: set[int] = set()
         #: State read ahead, by entry, with whether it is a snapshot: RAM state once settled.
         self._ahead: dict[int, tuple[Any, bool]] = {}
-        self.observers: list[Callable[[tuple[int, ...], str], None]] = []
+        #: Called with ``(tokens, namespace)`` of each prefix kept (``NotifyKept``).
+        self.observers = Observers("kept prefixes")
         #: Called with each ``BlockStored`` and ``BlockRemoved`` the core emits (``block_events`` on).
         self.block_observers: list[Callable[[fx.BlockStored | fx.BlockRemoved], None]] = []
         self._performers: dict[type, Callable[[Any], list]] = {
@@ -201,8 +203,7 @@ class HeldState:
         return entry in self._snapshots if saved is None else isinstance(saved, fx.SnapshotName)
 
     def _notify_kept(self, e: fx.NotifyKept) -> list:
-        for observe in self.observers:
-            observe(e.key.tokens, e.key.namespace)
+        self.observers.tell(e.key.tokens, e.key.namespace)
         return []
 
     def _tell_block_observers(self, e: fx.BlockStored | fx.BlockRemoved) -> list:

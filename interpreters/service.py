@@ -31,6 +31,7 @@ from kvstate.core.state import (
 from kvstate.core.transitions import optional_bytes, step
 from kvstate.effects.effects import BlockRemoved, BlockStored, CheckpointMeta, DiskKey
 from kvstate.interpreters.base import BlockSizes, CacheFacts, Interpreter
+from kvstate.interpreters.observers import Observers
 from kvstate.models.spec import ModelSpec
 
 DEFAULT_NAMESPACE = "default"
@@ -109,7 +110,7 @@ class KvCacheService:
         self._handles = itertools.count(1)
         #: Block events a step told, held until it ends: each observer hears one step's together.
         self._told: list[BlockStored | BlockRemoved] = []
-        self._block_observers: list[tuple[Callable[[Any], None], bool]] = []
+        self._block_observers = Observers("block events")
         interpreter.block_observers.append(self._told.append)
         #: What the scan at start kept, deleted to fit the disk budget, and rejected.
         self.scan_result: ScanResult = self._run(interpreter.scan())
@@ -180,12 +181,13 @@ class KvCacheService:
     def _tell_block_events(self) -> None:
         told = self._told[:]
         self._told.clear()
-        for observe, together in self._block_observers:
-            if together:
-                observe(told)
-            else:
-                for event in told:
-                    observe(event)
+        self._block_observers.tell(told)
+
+    @property
+    def observer_failures(self) -> int:
+        """Calls of an observer (``on_put``, ``on_block_events``) that raised: each logged (logger
+        ``kvstate``) and counted here; the other observers were told, and the call went on."""
+        return self._interpreter.observers.failures + self._block_observers.failures
 
     def complete(self, completions: Iterable[Any]) -> None:
         """Feed completion events that arrived later (a background writer's)."""
@@ -438,7 +440,8 @@ class KvCacheService:
         return ObjectCache(self)
 
     def on_put(self, observe: Callable[[tuple[int, ...], str], None]) -> None:
-        """Call ``observe(tokens, namespace)`` for every prefix the service keeps (a router's index)."""
+        """Call ``observe(tokens, namespace)`` for every prefix the service keeps (a router's index).
+        An observer that raises is logged and counted (:attr:`observer_failures`), never raised."""
         self._interpreter.observers.append(observe)
 
     def on_block_events(self, observe: Callable[[Any], None], *, together: bool = False) -> None:
@@ -447,18 +450,20 @@ class KvCacheService:
         ``BlockStored`` for every block held now, then every change, in order: what it is told always
         adds up to what the tiers hold. With ``together`` it is called once per call of the port that
         changed something, with that call's events as a list (the held blocks being the first list),
-        as vLLM publishes one batch a scheduler step."""
+        as vLLM publishes one batch a scheduler step. An observer that raises is logged and counted
+        (:attr:`observer_failures`), never raised: the others are told, and the call goes on."""
         if not self.config.block_events:
             raise InvalidConfig("block events need a service built with block_events=True (and blocks)")
+        observers = self._block_observers
+        if not together:
+            def observe_each(told: list, observe=observe) -> None:
+                for event in told:
+                    observers.call(observe, event)
         with self._lock:
             held = list(self._run(ev.HeldBlocksQuery()).blocks)
-            if together:
-                if held:
-                    observe(held)
-            else:
-                for stored in held:
-                    observe(stored)
-            self._block_observers.append((observe, together))
+            if held:
+                observers.call(observe if together else observe_each, held)
+            observers.append(observe if together else observe_each)
 
     def saved_prefixes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(namespace, tokens)`` of every prefix saved state holds, read from headers alone."""

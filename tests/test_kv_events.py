@@ -256,3 +256,26 @@ def test_block_events_need_blocks_and_a_service_built_for_them():
     service = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, block_tokens=BLOCK)
     with pytest.raises(InvalidConfig, match="block_events=True"):
         service.on_block_events(print)
+
+
+def test_an_observer_that_raises_is_logged_and_counted_and_the_others_and_the_call_go_on(caplog):
+    service = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, block_tokens=BLOCK, block_events=True)
+    before, after, kept = [], [], []
+
+    def broken(event):
+        raise RuntimeError("a router's bug")
+
+    service.on_block_events(before.append)
+    service.on_block_events(broken)
+    service.on_block_events(after.append, together=True)
+    service.on_put(lambda tokens, namespace: 1 / 0)
+    service.on_put(lambda tokens, namespace: kept.append(len(tokens)))
+    serve(service, tuple(range(12)))  # three full blocks, stored in one call
+    assert len(before) == 3 and [e for told in after for e in told] == before and kept == [12]
+    assert service.observer_failures == 3 + 1  # each event the broken one was told, and the kept prefix
+    untold = KvCacheService.simulated("llama-3.1-8b", ram_bytes=1 << 30, block_tokens=BLOCK, block_events=True)
+    serve(untold, tuple(range(12)))
+    assert service.ram(each=True) == untold.ram(each=True)  # the call went on to its end
+    failures = [r for r in caplog.records if r.name == "kvstate" and r.exc_info]
+    kinds = [next(kind for kind in ("block events", "kept prefixes") if kind in r.getMessage()) for r in failures]
+    assert sorted(kinds) == ["block events"] * 3 + ["kept prefixes"]
