@@ -198,6 +198,22 @@ class PrefixIndex:
             node, depth = child, depth + len(child.label)
         return found
 
+    def extends(self, namespace: str, tokens: tuple[int, ...] | bytes) -> bool:
+        """Whether some entry's tokens start with ``tokens`` (``tokens`` included)."""
+        data = packed(tokens)
+        node, depth = self.roots.get(namespace), 0
+        while node is not None and depth < len(data):
+            child = node.children.get(_first(data, depth))
+            if child is None:
+                return False
+            m = matched_bytes(child.label, data, depth)
+            if depth + m == len(data):
+                return True  # inside or at the end of the child's label: its entries extend ``tokens``
+            if m < len(child.label):
+                return False
+            node, depth = child, depth + m
+        return node is not None and node.count > 0
+
     def longest(self, namespace: str, prompt: tuple[int, ...] | bytes) -> tuple[int, int | None]:
         """``(tokens, entry)``: the longest prefix of ``prompt`` some entry can serve, at most ``len-1``."""
         root = self.roots.get(namespace)

@@ -48,6 +48,8 @@ class NotKeptReason(enum.Enum):
     NO_FULL_BLOCK = "no-full-block"  #: kept in blocks without partial ones, and shorter than one block
     NOT_WORTH_ITS_BYTES = "not-worth-its-bytes"  #: a chunk snapshot that saves too little for its bytes
     READ_IN_FLIGHT = "read-in-flight"  #: blocks of its chain are being read ahead into RAM
+    #: a chunk snapshot no held prefix goes past (a guess at a branch point), with no free RAM for it
+    NO_FREE_ROOM_FOR_A_GUESS = "no-free-room-for-a-guess"
 
 
 @attrs.frozen

@@ -82,6 +82,9 @@ LIFECYCLE: dict[tuple[Residence, Move], Residence | None] = {
     (R.PREFETCHING, Move.UNREAD): R.DISK,
 }
 
+#: The rules of which chunk snapshots are kept (``ServiceConfig.snapshot_admission``).
+SNAPSHOT_ADMISSIONS = ("reuse", "bytes")
+
 IN_RAM = frozenset({R.RAM, R.SPILLING, R.BOTH})
 ON_DISK = frozenset({R.BOTH, R.DISK, R.PREFETCHING})
 
@@ -158,6 +161,11 @@ class ServiceConfig:
     #: Whether the tokens past a prefix's last full block are kept, as a partial block (a longer
     #: chain's full block supersedes it), or dropped, to be recomputed by the next request.
     partial_blocks: bool = True
+    #: Which chunk snapshots (offered mid-prefill, for state that cannot be cut back) are kept:
+    #: ``"reuse"``, one a held prefix goes past (a branch point is there or beyond) as any snapshot,
+    #: any other (a guess) only where worth its bytes and in free RAM; ``"bytes"``, every one worth its
+    #: bytes, offered to the policy (:func:`~kvstate.core.tiers.snapshot_worth_keeping`).
+    snapshot_admission: str = "reuse"
     #: Whether a shared tier (an object store the servers of a fleet share) holds blocks beyond this
     #: server's disk, which caches what it fetches from there (:mod:`~kvstate.core.remote`). Needs
     #: blocks and a disk tier.
@@ -208,6 +216,9 @@ class ServiceConfig:
         if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or isinstance(
                 self.block_tokens, bool) or self.block_tokens < 1):
             raise InvalidConfig(f"block_tokens must be a positive int of tokens or None, got {self.block_tokens!r}")
+        if self.snapshot_admission not in SNAPSHOT_ADMISSIONS:
+            raise InvalidConfig(f"snapshot_admission must be one of {', '.join(SNAPSHOT_ADMISSIONS)}, "
+                                f"got {self.snapshot_admission!r}")
         if not isinstance(self.remote_tier, bool):
             raise InvalidConfig(f"remote_tier must be True or False, got {self.remote_tier!r}")
         if self.remote_tier and (self.block_tokens is None or not self.has_disk):

@@ -425,7 +425,8 @@ class Offer:
     #: Where some layers cannot be cut (recurrent, sliding windows): the ``(nbytes, file_bytes)`` of
     #: their state at the end, kept as a snapshot on the chain of the other layers' blocks.
     snapshot: tuple[int, int] | None = None
-    #: Offered mid-prefill: kept only where worth its bytes (:func:`snapshot_worth_keeping`).
+    #: Offered mid-prefill: a guess, unless a held prefix goes past it (:func:`past_a_branch_point`),
+    #: kept only where worth its bytes (:func:`snapshot_worth_keeping`) and only in free RAM.
     chunk: bool = False
 
 
@@ -445,6 +446,11 @@ def keep(d: Draft, offer: Offer) -> object:
             d.sessions = d.sessions.set(session, (namespace, data))
         d.out.append(fx.DropPublished(handle))
         return Kept(existing, duplicate=True)
+    if (offer.chunk and d.config.snapshot_admission == "reuse" and nbytes > d.ram.capacity - d.ram.bytes
+            and not past_a_branch_point(d, offer)):
+        d.count("snapshots_passed_up")  # a guess never takes the room of state a request used
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
     tag = content_tag(namespace, data)
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)  # before room is made for it
     if not make_ram_room(d, nbytes):
@@ -553,7 +559,11 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     snapshot = _held_snapshot(d, offer) if offer.snapshot is not None else None
     if links is None or snapshot is False:
         return keep(d, attrs.evolve(offer, blocks=(), snapshot=None))
-    if offer.chunk and offer.snapshot is not None and snapshot is None and not snapshot_worth_keeping(d, offer):
+    # A chunk snapshot not held yet is a guess unless a held prefix goes past it (then it is kept as
+    # any snapshot is): a guess must be worth its bytes, and is kept only in free RAM (below).
+    guess = offer.chunk and offer.snapshot is not None and snapshot is None and (
+        d.config.snapshot_admission == "bytes" or not past_a_branch_point(d, offer))
+    if guess and not snapshot_worth_keeping(d, offer):
         d.count("snapshots_passed_up")  # the chain's blocks wait for a snapshot that is worth keeping
         d.out.append(fx.DropPublished(handle))
         return NotKept(NotKeptReason.NOT_WORTH_ITS_BYTES)
@@ -580,6 +590,10 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         d.out.append(fx.DropPublished(handle))
         return Kept(last.id, duplicate=True)
     need = sum(link.nbytes for link in missing) + (offer.snapshot[0] if snapshot_missing else 0)
+    if guess and d.config.snapshot_admission == "reuse" and need > d.ram.capacity - d.ram.bytes:
+        d.count("snapshots_passed_up")  # a guess never takes the room of state a request used
+        d.out.append(fx.DropPublished(handle))
+        return NotKept(NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
     tags = {link.start: block_tag(link.key) for link in missing if link.held is None}
     for tag in tags.values():
         d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)
@@ -700,6 +714,15 @@ def snapshot_worth_keeping(d: Draft, offer: Offer) -> bool:
                 before = length
     attention_per_token = sum(nbytes for nbytes, _ in offer.blocks) / len(tokens)
     return offer.snapshot[0] <= (len(tokens) - before) * attention_per_token
+
+
+def past_a_branch_point(d: Draft, offer: Offer) -> bool:
+    """Whether a prefix held in either tier goes past the end of chunk snapshot ``offer``: another
+    request's prompt went through these tokens, so where this one leaves it, or beyond, is a branch
+    point, and a snapshot on the way to it is reused by whatever branches there next (Marconi's
+    evidence of reuse). A snapshot no held prefix goes past is a guess: it is kept only in free RAM."""
+    tiers = (d.ram, d.disk) if d.config.has_disk else (d.ram,)
+    return any(tier.index.extends(offer.namespace, offer.tokens) for tier in tiers)
 
 
 def _held_snapshot(d: Draft, offer: Offer) -> Entry | None | bool:

@@ -230,6 +230,11 @@ def test_blocks_hold_a_positive_whole_number_of_tokens(value, accepted):
     accepted_or_named("block_tokens", value, accepted)
 
 
+@pytest.mark.parametrize("value, accepted", [("reuse", True), ("bytes", True), ("marconi", False), (None, False)])
+def test_snapshot_admission_is_one_of_its_rules(value, accepted):
+    accepted_or_named("snapshot_admission", value, accepted)
+
+
 @pytest.mark.parametrize("options, accepted", [
     ({"block_tokens": 256, "disk_capacity_bytes": 1000}, True),
     ({"block_tokens": 256}, False),                                # no disk tier to keep what it fetches

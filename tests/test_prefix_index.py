@@ -50,6 +50,8 @@ def test_longest_usable_matches_a_naive_scan(ops, prompts):
                                      if ns == namespace and len(t) < len(prompt) and prompt[:len(t)] == t)
             assert sorted(index.prefixes_of(namespace, prompt)) == strict_prefixes
             assert index.exact(namespace, prompt) == naive.get((namespace, prompt), (None,))[0]
+            assert index.extends(namespace, prompt) == any(ns == namespace and t[:len(prompt)] == prompt
+                                                           for ns, t, _ in held)
     assert sorted((ns, t, e, trim) for ns, t, e, trim in index.items()) == \
         sorted((ns, t, e, trim) for (ns, t), (e, trim) in naive.items())
     # Old versions never change (persistence).

@@ -82,3 +82,61 @@ def test_a_snapshot_published_to_the_core_without_saying_chunk_is_a_segments_end
     assert isinstance(core(offer), Kept)
     chunk = Core(model=spec, ram_capacity_bytes=1 << 30, block_tokens=4)
     assert not isinstance(chunk(attrs.evolve(offer, chunk=True)), Kept)
+
+
+def test_a_chunk_snapshot_no_held_prefix_goes_past_is_a_guess_kept_only_in_free_ram():
+    spec = hybrid(2 * PER_TOKEN)  # worth keeping from two tokens on: only the room decides here
+    prompt = tuple(range(1, 25))
+    held = spec.bytes_for(len(prompt))  # RAM holds this prompt's state and nothing more
+    service = KvCacheService.simulated(spec, ram_bytes=held, block_tokens=4)
+    prefill(service, spec, prompt, [])
+    before = service.state
+    other = tuple(range(100, 124))  # shares nothing: every chunk of its prefill is a guess
+    request = Request(other, 1)
+    service.acquire(request, "n")
+    for end in (8, 16):
+        assert not service.publish(request, "n", other[:end], SimCaches(other[:end], spec), chunk=True)
+    assert service.state.entries == before.entries and service.state.ram == before.ram  # nothing was evicted
+    assert service.report().snapshots_passed_up == 2
+    assert service.publish(request, "n", other, SimCaches(other, spec))  # its end is no guess: room is made
+    service.release(request)
+    roomy = KvCacheService.simulated(spec, ram_bytes=4 * held, block_tokens=4)
+    prefill(roomy, spec, prompt, [])
+    prefill(roomy, spec, other, [8, 16])  # in free RAM the same guesses are kept
+    assert kept_snapshots(roomy) == [8, 16, 24, 24]
+
+
+def test_a_chunk_snapshot_a_held_prefix_goes_past_is_kept_as_any_snapshot_so_the_next_branch_reuses_it():
+    spec = hybrid(40 * PER_TOKEN)  # never worth its bytes as a guess on these prompts
+    service = KvCacheService.simulated(spec, ram_bytes=1 << 30, block_tokens=4)
+    prompt = tuple(range(1, 25))
+    prefill(service, spec, prompt, [4, 8, 12, 16, 20])  # the first request: every chunk a guess, passed up
+    assert kept_snapshots(service) == [24]
+    branch = prompt[:12] + tuple(range(900, 912))  # leaves the held prompt after 12 tokens
+    prefill(service, spec, branch, [4, 8, 12, 16, 20])  # 4, 8 and 12: a held prefix goes past them
+    assert kept_snapshots(service) == [4, 8, 12, 24, 24]
+    assert service.report().snapshots_passed_up == 5 + 2
+    third = prompt[:14] + (7, 7, 7)  # the next to branch there reuses up to the branch point's chunk
+    state = service.acquire(Request(third, 1), "n")
+    assert state.reused_tokens == 12 and state.caches.tokens == third[:12]
+
+
+def test_a_pure_recurrent_models_chunk_states_are_guesses_too_unless_a_held_prompt_goes_past_them():
+    spec = ModelSpec("recurrent", (LayerSpec(LayerKind.RECURRENT, state_bytes=1000),), 4096)
+    service = KvCacheService.simulated(spec, ram_bytes=2000, block_tokens=4)  # room for two states
+    prompt = tuple(range(1, 25))
+    prefill(service, spec, prompt, [8])  # free RAM: the guess at 8 is kept, and the end
+    assert sorted(e.length for e in service.state.entries.values()) == [8, 24]
+    other = tuple(range(100, 124))
+    prefill(service, spec, other, [8])  # RAM full: the guess is passed up; the end takes the room
+    assert service.report().snapshots_passed_up == 1
+    assert sorted(e.tokens for e in service.state.entries.values()) == [prompt, other]
+    again = Request(prompt + (1,), 1)  # the first prompt used again: the other is the least recent
+    assert service.acquire(again, "n").reused_tokens == len(prompt)
+    service.release(again)
+    branch = prompt[:16] + (7, 7)
+    request = Request(branch, 1)
+    service.acquire(request, "n")
+    # The held prompt goes past 8: kept as any state, though RAM is full (the policy takes the other).
+    assert service.publish(request, "n", branch[:8], SimCaches(branch[:8], spec), chunk=True)
+    assert sorted(e.tokens for e in service.state.entries.values()) == sorted([prompt, branch[:8]])

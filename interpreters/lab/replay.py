@@ -99,9 +99,16 @@ def replay_service(model: str | ModelSpec, *, refuse_past_context: bool = True, 
     return KvCacheService.simulated(spec, **options)
 
 
+#: Which chunk snapshots a request's prefill offers, given the request, the blocks its state is kept
+#: at and the blocks it reused: ``(blocks, chunk)`` pairs in ascending order, each offered before the
+#: kept state with ``chunk`` as :meth:`KvCacheService.publish` takes it.
+ChunkOffers = Callable[[TraceRequest, tuple, int], Iterable[tuple[int, bool]]]
+
+
 def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: int | None = None,
-           progress: Callable[[int], None] | None = None) -> Outcome:
-    """Run ``requests`` (at most ``limit``) through ``service``, built by :func:`replay_service`."""
+           progress: Callable[[int], None] | None = None, chunk_offers: ChunkOffers | None = None) -> Outcome:
+    """Run ``requests`` (at most ``limit``) through ``service``, built by :func:`replay_service`;
+    ``chunk_offers`` says which snapshots mid-prefill each request offers (none without it)."""
     started = time.perf_counter()
     config = service.config
     # The clock reaches the service only where a rule reads it (idle demotion, idle writes, the write-rate cap).
@@ -133,6 +140,9 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
         if kept_length % BLOCK_TOKENS and not spec.trimmable_at(len(kept)):
             kept = kept[:-1]  # the last block is partial: keep the state where the next turn can use it
         if keeps and kept and state.reused_tokens <= len(kept):
+            for end, chunk in chunk_offers(request, kept, state.reused_tokens) if chunk_offers else ():
+                service.publish(lease, request.namespace, kept[:end], state.caches.extended(
+                    kept[state.reused_tokens:end]), chunk=chunk)
             caches = state.caches.extended(kept[state.reused_tokens:])
             service.publish(lease, request.namespace, kept, caches)
         service.release(lease)
