@@ -448,9 +448,7 @@ def keep(d: Draft, offer: Offer) -> object:
         return Kept(existing, duplicate=True)
     if (offer.chunk and d.config.snapshot_admission == "reuse" and nbytes > d.ram.capacity - d.ram.bytes
             and not past_a_branch_point(d, offer)):
-        d.count("snapshots_passed_up")  # a guess never takes the room of state a request used
-        d.out.append(fx.DropPublished(handle))
-        return NotKept(NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
+        return _pass_up_snapshot(d, handle, NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
     tag = content_tag(namespace, data)
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)  # before room is made for it
     if not make_ram_room(d, nbytes):
@@ -563,10 +561,8 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     # any snapshot is): a guess must be worth its bytes, and is kept only in free RAM (below).
     guess = offer.chunk and offer.snapshot is not None and snapshot is None and (
         d.config.snapshot_admission == "bytes" or not past_a_branch_point(d, offer))
-    if guess and not snapshot_worth_keeping(d, offer):
-        d.count("snapshots_passed_up")  # the chain's blocks wait for a snapshot that is worth keeping
-        d.out.append(fx.DropPublished(handle))
-        return NotKept(NotKeptReason.NOT_WORTH_ITS_BYTES)
+    if guess and not snapshot_worth_keeping(d, offer):  # the chain's blocks wait for one worth keeping
+        return _pass_up_snapshot(d, handle, NotKeptReason.NOT_WORTH_ITS_BYTES)
     if not links:
         d.count("not_kept")
         d.out.append(fx.DropPublished(handle))
@@ -591,9 +587,7 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
         return Kept(last.id, duplicate=True)
     need = sum(link.nbytes for link in missing) + (offer.snapshot[0] if snapshot_missing else 0)
     if guess and d.config.snapshot_admission == "reuse" and need > d.ram.capacity - d.ram.bytes:
-        d.count("snapshots_passed_up")  # a guess never takes the room of state a request used
-        d.out.append(fx.DropPublished(handle))
-        return NotKept(NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
+        return _pass_up_snapshot(d, handle, NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
     tags = {link.start: block_tag(link.key) for link in missing if link.held is None}
     for tag in tags.values():
         d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)
@@ -714,6 +708,14 @@ def snapshot_worth_keeping(d: Draft, offer: Offer) -> bool:
                 before = length
     attention_per_token = sum(nbytes for nbytes, _ in offer.blocks) / len(tokens)
     return offer.snapshot[0] <= (len(tokens) - before) * attention_per_token
+
+
+def _pass_up_snapshot(d: Draft, handle: int, reason: NotKeptReason) -> NotKept:
+    """A chunk snapshot not kept, for ``reason``: its staged caches dropped, and counted. A guess never
+    takes the room of state a request used."""
+    d.count("snapshots_passed_up")
+    d.out.append(fx.DropPublished(handle))
+    return NotKept(reason)
 
 
 def past_a_branch_point(d: Draft, offer: Offer) -> bool:

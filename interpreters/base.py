@@ -18,9 +18,9 @@ import attrs
 from kvstate.core.blocks import block_key
 from kvstate.core.errors import KvStateError
 from kvstate.core.tokens import packed
-from kvstate.interpreters.observers import Observers
 from kvstate.effects import effects as fx
 from kvstate.effects.completions import Scanned
+from kvstate.interpreters.observers import Observers
 
 
 @attrs.frozen

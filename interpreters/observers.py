@@ -8,7 +8,7 @@ logged with its traceback (logger ``kvstate``) and counted, and the telling goes
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 LOG = logging.getLogger("kvstate")
 
@@ -24,12 +24,6 @@ class Observers:
 
     def append(self, observe: Callable[..., Any]) -> None:
         self._callbacks.append(observe)
-
-    def __iter__(self) -> Iterator[Callable[..., Any]]:
-        return iter(self._callbacks)
-
-    def __len__(self) -> int:
-        return len(self._callbacks)
 
     def tell(self, *news: Any) -> None:
         """Call every observer with ``news``."""
