@@ -89,9 +89,14 @@ class Publish(Event):
     #: Where some layers cannot be cut: the ``(nbytes, file_bytes)`` of their state at the end, kept as
     #: a snapshot on the chain of the other layers' blocks (None: every layer is cut, or kept whole).
     snapshot: tuple[int, int] | None = None
-    #: A snapshot offered mid-prefill (not at the end of a prompt or a segment): kept only where it is
-    #: worth its bytes (:func:`~kvstate.core.tiers.snapshot_worth_keeping`).
+    #: A snapshot offered mid-prefill (not at the end of a prompt or a segment): kept as any state at the
+    #: last chunk before a branch point, else only where worth its bytes and in free RAM
+    #: (:func:`~kvstate.core.tiers.at_a_branch_point`).
     chunk: bool = False
+    #: For a chunk: the prompt's tokens after it, up to where the caller takes its next snapshot (or the
+    #: prompt's end). A held prefix that goes past them makes a later chunk the last before the branch
+    #: point, so this one is a guess. Empty: not known (any chunk a held prefix goes past is kept).
+    next_chunk: tuple[int, ...] | bytes = attrs.field(default=(), repr=lambda t: f"<{len(t)} tokens>")
 
 
 @attrs.frozen

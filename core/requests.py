@@ -107,12 +107,16 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
         raise TokensDoNotMatchCaches(f"published {len(e.tokens)} tokens with caches covering {e.covered}; "
                                      f"publish exactly the tokens the caches hold")
     check_sizes(e.nbytes, e.file_bytes)
+    if e.next_chunk and not e.chunk:
+        raise InvalidRequest(f"next_chunk ({len(e.next_chunk)} tokens) was given for a publish that is not a chunk "
+                        f"snapshot; pass chunk=True, or no next_chunk")
     if e.blocks:
         _check_blocks(state, e)
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False
     d = Draft(state)
     reply = keep(d, Offer(namespace, e.tokens, e.handle, e.nbytes, e.file_bytes, e.trimmable, request.session_id,
-                          protected, blocks=_blocks_of(e, namespace), snapshot=e.snapshot if e.blocks else None, chunk=e.chunk))
+                          protected, blocks=_blocks_of(e, namespace), snapshot=e.snapshot if e.blocks else None, chunk=e.chunk,
+                          next_chunk=e.next_chunk))
     if may_wait and state.writes.count and reply == NotKept(NotKeptReason.NO_ROOM):
         # Backpressure: RAM is full of entries pinned by writes in flight; keep once they settle.
         d = Draft(state)

@@ -425,9 +425,12 @@ class Offer:
     #: Where some layers cannot be cut (recurrent, sliding windows): the ``(nbytes, file_bytes)`` of
     #: their state at the end, kept as a snapshot on the chain of the other layers' blocks.
     snapshot: tuple[int, int] | None = None
-    #: Offered mid-prefill: a guess, unless a held prefix goes past it (:func:`past_a_branch_point`),
-    #: kept only where worth its bytes (:func:`snapshot_worth_keeping`) and only in free RAM.
+    #: Offered mid-prefill: a guess, unless it is the last chunk before a branch point
+    #: (:func:`at_a_branch_point`), kept only where worth its bytes (:func:`snapshot_worth_keeping`) and
+    #: only in free RAM.
     chunk: bool = False
+    #: A chunk's following tokens, to where the next chunk is offered (empty: not known).
+    next_chunk: tuple[int, ...] | bytes = ()
 
 
 def keep(d: Draft, offer: Offer) -> object:
@@ -447,7 +450,7 @@ def keep(d: Draft, offer: Offer) -> object:
         d.out.append(fx.DropPublished(handle))
         return Kept(existing, duplicate=True)
     if (offer.chunk and d.config.snapshot_admission == "reuse" and nbytes > d.ram.capacity - d.ram.bytes
-            and not past_a_branch_point(d, offer)):
+            and not at_a_branch_point(d, offer)):
         return _pass_up_snapshot(d, handle, NotKeptReason.NO_FREE_ROOM_FOR_A_GUESS)
     tag = content_tag(namespace, data)
     d.ram.policy = d.ram.strategy.arriving(d.ram.policy, tag)  # before room is made for it
@@ -560,7 +563,7 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     # A chunk snapshot not held yet is a guess unless a held prefix goes past it (then it is kept as
     # any snapshot is): a guess must be worth its bytes, and is kept only in free RAM (below).
     guess = offer.chunk and offer.snapshot is not None and snapshot is None and (
-        d.config.snapshot_admission == "bytes" or not past_a_branch_point(d, offer))
+        d.config.snapshot_admission == "bytes" or not at_a_branch_point(d, offer))
     if guess and not snapshot_worth_keeping(d, offer):  # the chain's blocks wait for one worth keeping
         return _pass_up_snapshot(d, handle, NotKeptReason.NOT_WORTH_ITS_BYTES)
     if not links:
@@ -718,13 +721,20 @@ def _pass_up_snapshot(d: Draft, handle: int, reason: NotKeptReason) -> NotKept:
     return NotKept(reason)
 
 
-def past_a_branch_point(d: Draft, offer: Offer) -> bool:
-    """Whether a prefix held in either tier goes past the end of chunk snapshot ``offer``: another
-    request's prompt went through these tokens, so where this one leaves it, or beyond, is a branch
-    point, and a snapshot on the way to it is reused by whatever branches there next (Marconi's
-    evidence of reuse). A snapshot no held prefix goes past is a guess: it is kept only in free RAM."""
+def at_a_branch_point(d: Draft, offer: Offer) -> bool:
+    """Whether chunk snapshot ``offer`` is the last before a branch point: a prefix held in either tier
+    goes past its end (another request's prompt went through these tokens, so where this one leaves
+    it, or beyond, is a branch point), and none goes past its next chunk (where the caller takes its
+    next snapshot, which would then be nearer the branch). Whatever branches there next reuses it
+    (Marconi's evidence of reuse, one snapshot a branch). Any other chunk is a guess: kept only in
+    free RAM."""
     tiers = (d.ram, d.disk) if d.config.has_disk else (d.ram,)
-    return any(tier.index.extends(offer.namespace, offer.tokens) for tier in tiers)
+    if not any(tier.index.extends(offer.namespace, offer.tokens) for tier in tiers):
+        return False
+    if not offer.next_chunk:
+        return True
+    further = packed(offer.tokens) + packed(offer.next_chunk)
+    return not any(tier.index.extends(offer.namespace, further) for tier in tiers)
 
 
 def _held_snapshot(d: Draft, offer: Offer) -> Entry | None | bool:

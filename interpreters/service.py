@@ -279,10 +279,13 @@ class KvCacheService:
         return self._run(ev.Keeps(request))
 
     def publish(self, request: Request, namespace: str, tokens: Iterable[int], caches: Any, *,
-                chunk: bool = False) -> bool:
+                chunk: bool = False, next_chunk: Iterable[int] = ()) -> bool:
         """Offer ``caches`` covering ``tokens`` for reuse; True if kept. On an error the caller keeps them.
         ``chunk``: the state is a prefill's, mid-prompt, offered for the snapshot of a model whose
-        layers cannot all be cut; kept only where worth its bytes."""
+        layers cannot all be cut; kept as any state where it is the last chunk before a branch point,
+        else only where worth its bytes and in free RAM. ``next_chunk``: the prompt's tokens after it, to
+        where the next snapshot is taken (or the prompt's end), so that only the last chunk before a
+        branch point is kept as such."""
         request = request_check(request)
         tokens = as_tokens(tokens, "published tokens", known=request.prompt)
         check_namespace(namespace)
@@ -296,7 +299,7 @@ class KvCacheService:
                 sizes = self._block_sizes(handle, namespace, tokens)
                 event = ev.Publish(request, namespace, tokens, handle, covered, facts.nbytes, facts.trimmable,
                                    file_bytes, sizes.blocks if sizes else (), sizes.snapshot if sizes else None,
-                                   chunk)
+                                   chunk, as_tokens(next_chunk, "next_chunk") if next_chunk else ())
                 return isinstance(self._run(event), Kept)  # under backpressure the core waits for writes
             except BaseException:
                 self._interpreter.unstage(handle)

@@ -427,6 +427,27 @@ def test_a_row_is_due_a_chunk_snapshot_each_time_its_prefill_passes_a_multiple_o
     assert at(97) == []
 
 
+def test_a_chunk_snapshot_says_the_prompt_to_where_the_next_is_due():
+    """A snapshot at 64 with ``snapshot_every`` 16 and prefill steps of 8: the next is due at the first
+    step past 80, at most 87, so it says the prompt's tokens 64..87 (cut at the prompt's end); the core
+    then keeps it as a branch point's only where no held prefix goes past them."""
+    from tests.test_prompt_cache import adapter, computed
+    model, cache = adapter()
+    admission = BatchAdmission(cache, share_wait_s=0.0, snapshot_every=16)
+    prompt = list(range(1, 101))
+    (item,), arrivals, take, tokenize = _items([(prompt, 4)])
+    arrivals.append(item)
+    assert admission.next_admitted(take, tokenize, 0) is item
+    admission.placed([1], segments=[[prompt]], cached=[[]])
+    offered = []
+    publish = cache.service.publish
+    cache.service.publish = lambda *args, **kwargs: (offered.append(kwargs), publish(*args, **kwargs))[1]
+    admission.snapshot(1, computed(model, prompt[:64]), prompt[:64], prefill_step=8)
+    admission.snapshot(1, computed(model, prompt[:96]), prompt[:96], prefill_step=8)
+    assert [o["next_chunk"] for o in offered] == [tuple(prompt[64:87]), tuple(prompt[96:100])]
+    assert all(o["chunk"] for o in offered)
+
+
 def test_a_row_in_prefill_publishes_at_each_segments_end_and_one_token_before_its_prompts():
     """What a waiting request may wait for: the row's caches at the end of each segment but the last,
     and one token before the prompt's end (the last token is sampled from), after what it reused."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import attrs
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
-from kvstate import KvCacheService, LayerKind, LayerSpec, ModelSpec, Request, SimCaches
+from kvstate import InvalidRequest, KvCacheService, LayerKind, LayerSpec, ModelSpec, Request, SimCaches
 from kvstate.core import events as ev
 from kvstate.core.replies import Kept
 from tests.core_driver import Core
@@ -24,12 +25,14 @@ def hybrid(state_bytes: int) -> ModelSpec:
                      4096)
 
 
-def prefill(service, spec, prompt, ends):
-    """A prefill that offers a chunk snapshot at each of ``ends`` and a snapshot at its end."""
+def prefill(service, spec, prompt, ends, say_next=False):
+    """A prefill that offers a chunk snapshot at each of ``ends`` and a snapshot at its end; ``say_next``:
+    each chunk says where the next is taken."""
     request = Request(prompt, 1)
     service.acquire(request, "n")
-    for end in ends:
-        service.publish(request, "n", prompt[:end], SimCaches(prompt[:end], spec), chunk=True)
+    for end, following in zip(ends, list(ends[1:]) + [len(prompt)]):
+        service.publish(request, "n", prompt[:end], SimCaches(prompt[:end], spec), chunk=True,
+                        next_chunk=prompt[end:following] if say_next else ())
     service.publish(request, "n", prompt, SimCaches(prompt, spec))
     service.release(request)
 
@@ -119,6 +122,40 @@ def test_a_chunk_snapshot_a_held_prefix_goes_past_is_kept_as_any_snapshot_so_the
     third = prompt[:14] + (7, 7, 7)  # the next to branch there reuses up to the branch point's chunk
     state = service.acquire(Request(third, 1), "n")
     assert state.reused_tokens == 12 and state.caches.tokens == third[:12]
+
+
+@settings(max_examples=150, deadline=None)
+@given(held=st.integers(2, 30), shared=st.integers(0, 29), gaps=st.lists(st.integers(1, 6), min_size=1, max_size=8))
+def test_a_chunk_that_says_its_next_is_kept_as_evidence_only_if_it_is_the_last_before_the_branch_point(held, shared,
+                                                                                                      gaps):
+    """Each chunk says where the next is taken: of the chunks a held prompt goes past, only the last
+    before the point where the prompt leaves it is kept (Marconi's one snapshot a branch); the others
+    are guesses, never worth these bytes. The rule, computed here from the shared length alone."""
+    spec = hybrid(1 << 20)  # far more than any prompt's attention state: no guess is worth its bytes
+    service = KvCacheService.simulated(spec, ram_bytes=1 << 30, block_tokens=4)
+    first = tuple(range(1, held + 1))
+    prefill(service, spec, first, [])
+    shared = min(shared, held - 1)
+    branch = first[:shared] + tuple(range(1000, 1000 + 8 + sum(gaps)))  # leaves ``first`` after ``shared``
+    ends = [sum(gaps[:i + 1]) for i in range(len(gaps))]
+    prefill(service, spec, branch, ends, say_next=True)
+    following = ends[1:] + [len(branch)]
+    last_before = [end for end, after in zip(ends, following) if end <= shared < after]
+    assert kept_snapshots(service) == sorted(last_before + [held, len(branch)])
+    assert service.report().snapshots_passed_up == len(ends) - len(last_before)
+
+
+def test_next_chunk_for_a_publish_that_is_not_a_chunk_is_refused_and_changes_nothing():
+    spec = hybrid(PER_TOKEN)
+    service = KvCacheService.simulated(spec, ram_bytes=1 << 30, block_tokens=4)
+    prompt = tuple(range(1, 13))
+    request = Request(prompt, 1)
+    service.acquire(request, "n")
+    before = service.state
+    with pytest.raises(InvalidRequest, match="not a chunk"):
+        service.publish(request, "n", prompt[:8], SimCaches(prompt[:8], spec), next_chunk=prompt[8:])
+    assert service.state == before
+    assert service.publish(request, "n", prompt[:8], SimCaches(prompt[:8], spec), chunk=True, next_chunk=prompt[8:])
 
 
 def test_a_pure_recurrent_models_chunk_states_are_guesses_too_unless_a_held_prompt_goes_past_them():

@@ -140,9 +140,11 @@ def replay(requests: Iterable[TraceRequest], service: KvCacheService, *, limit: 
         if kept_length % BLOCK_TOKENS and not spec.trimmable_at(len(kept)):
             kept = kept[:-1]  # the last block is partial: keep the state where the next turn can use it
         if keeps and kept and state.reused_tokens <= len(kept):
-            for end, chunk in chunk_offers(request, kept, state.reused_tokens) if chunk_offers else ():
+            offered = list(chunk_offers(request, kept, state.reused_tokens)) if chunk_offers else []
+            for (end, chunk), following in zip(offered, [end for end, _ in offered[1:]] + [len(kept)]):
+                # a chunk says where the next is taken: only the last before a branch point is kept as such
                 service.publish(lease, request.namespace, kept[:end], state.caches.extended(
-                    kept[state.reused_tokens:end]), chunk=chunk)
+                    kept[state.reused_tokens:end]), chunk=chunk, next_chunk=kept[end:following] if chunk else ())
             caches = state.caches.extended(kept[state.reused_tokens:])
             service.publish(lease, request.namespace, kept, caches)
         service.release(lease)

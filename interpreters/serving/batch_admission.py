@@ -368,12 +368,22 @@ class BatchAdmission:
                 due.append(response.uid)
         return due
 
-    def snapshot(self, uid: int, caches: Any, tokens: Any) -> None:
+    def snapshot(self, uid: int, caches: Any, tokens: Any, prefill_step: int = 0) -> None:
         """Row ``uid``'s state over ``tokens``, mid-prefill, offered as a chunk snapshot (the server
-        sets ``snapshot_every`` only for a model whose layers cannot all be cut)."""
-        self._snapshotted[uid] = len(tokens)
+        sets ``snapshot_every`` only for a model whose layers cannot all be cut). It says the prompt's
+        tokens to where the next is due: the first prefill step (``prefill_step`` tokens at most) past
+        the next multiple of ``snapshot_every``, so that only the last chunk before a branch point is
+        kept as such (an end too far keeps one chunk more; too near could keep none)."""
+        end = len(tokens)
+        self._snapshotted[uid] = end
+        row = self._computing.get(uid)
+        next_chunk = ()
+        if row is not None:
+            due = (end // self.snapshot_every + 1) * self.snapshot_every + max(prefill_step - 1, 0)
+            next_chunk = tuple(row.prompt[end:min(due, len(row.prompt))])
         self.publishing(uid, tokens)
-        self.cache.insert_cache(self.cache.model_key, list(tokens), caches, cache_type="chunk")
+        self.cache.insert_cache(self.cache.model_key, list(tokens), caches, cache_type="chunk",
+                                next_chunk=next_chunk)
 
     def ended(self, uids: Any, completed: bool = True) -> None:
         """Rows ``uids`` left the batch, their generations ``completed`` or not (removed, or the server
@@ -488,7 +498,7 @@ def measured_batch_generator(base: type, admission: BatchAdmission) -> type:
             due = admission.due_snapshots(prompt_responses)
             if due:
                 for uid, (caches, tokens) in super().extract_cache(due).items():
-                    admission.snapshot(uid, caches, tokens)
+                    admission.snapshot(uid, caches, tokens, getattr(self, "prefill_step_size", 0))
             finished = [r for r in generation_responses if r.finish_reason is not None]
             for response in finished:
                 admission.publishing(response.uid, response.all_tokens, final=True)

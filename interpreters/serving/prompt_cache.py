@@ -206,8 +206,9 @@ class KvStatePromptCache:
         return state.caches, tokens[covered:]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
-                     cache_type: str = "assistant") -> None:
-        """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not."""
+                     cache_type: str = "assistant", next_chunk: tuple[int, ...] = ()) -> None:
+        """Offer ``prompt_cache`` covering ``tokens`` for reuse; the service keeps it or not. A ``"chunk"``
+        says in ``next_chunk`` the prompt's tokens to where the next is taken (see ``publish``)."""
         key = tuple(tokens)
         namespace, pin, row = ((self._serving, self._serving_pin, None) if self._serving
                                else self._announced_namespace(key))
@@ -233,7 +234,7 @@ class KvStatePromptCache:
                 self._held.append(HeldSegment(row, namespace, pin, key, prompt_cache, cache_type))
             return
         self.keep_held()  # in the order offered
-        self._keep(namespace, pin, key, prompt_cache, cache_type)
+        self._keep(namespace, pin, key, prompt_cache, cache_type, next_chunk)
 
     def keep_held(self, rows: Any = None) -> None:
         """Keep the segment ends held for ``rows`` (None: every row), in the order they were offered."""
@@ -248,7 +249,7 @@ class KvStatePromptCache:
             self._keep(held.namespace, held.pin, held.tokens, held.caches, held.cache_type)
 
     def _keep(self, namespace: str, pin: PinAsked | None, key: tuple[int, ...], prompt_cache: list,
-              cache_type: str) -> None:
+              cache_type: str, next_chunk: tuple[int, ...] = ()) -> None:
         """Offer ``prompt_cache`` over the tokens ``key`` to the service, in ``namespace``."""
         offered = key
         recorded = self.recorder is not None and cache_type == "assistant"
@@ -265,7 +266,9 @@ class KvStatePromptCache:
         request = Request(key, 1)
         before = self.service.counts()
         try:
-            kept = self.service.publish(request, namespace, key, prompt_cache, chunk=cache_type == "chunk")
+            chunk = cache_type == "chunk"
+            kept = self.service.publish(request, namespace, key, prompt_cache, chunk=chunk,
+                                        next_chunk=next_chunk if chunk and key is offered else ())  # cut: not contiguous
         except KvStateError:
             return  # caches the service cannot take (their tokens disagree): not kept, as a full cache would
         if kept:
