@@ -32,7 +32,13 @@
   beside how much of MLX's buffer cache it took; with ``--keep-freed-memory``, as ``kvstate serve``
   runs (glibc keeps freed blocks for reuse).
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse [--keep-freed-memory]
+- ``restored-step``: the first prefill step after a restart, at the 8B geometry: a conversation of
+  5,666 tokens kept in blocks and written to disk, then, each time in a freshly built service (a
+  restart), the acquire that restores it and the step of the next 347 tokens on the restored caches
+  (as they come, and merged into a batch of one as mlx-lm's batch loop takes them), beside the same
+  step after a RAM hit on the same service: whether restored arrays cost their first step more.
+
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse|restored-step [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -412,13 +418,91 @@ def ram_hit(layers: int = 32, heads: int = 8, dim: int = 128, tokens: int = 2816
               f"{new} new tokens {attention:6.2f} ms", flush=True)
 
 
+def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu
+    from mlx_lm.models.cache import BatchKVCache
+
+    from kvstate import Request
+    from kvstate.interpreters.mlx import caches as mlx_caches
+    from kvstate.interpreters.mlx import device_memory
+
+    directory = tempfile.mkdtemp()
+    model, config = gpu.build(geometry)
+    prompt = gpu.prompt_of(tokens + new + 1, salt=11)
+    service = gpu.service_for(model, config, directory)
+    request = Request(prompt[:tokens], 16)
+    state = service.acquire(request, "bench")
+    gpu.prefill(model, state.caches, prompt[:tokens], chunk=2048)
+    service.publish(request, "bench", prompt[:tokens], state.caches)
+    service.release(request)
+    assert service.close().durable
+
+    def step(caches, merged: bool) -> float:
+        start = time.perf_counter()
+        if merged:
+            caches = [BatchKVCache.merge([c]) for c in caches]
+        mx.eval(mx.argmax(model(mx.array([list(prompt[tokens:tokens + new])]), cache=caches)[0, -1]))
+        return 1e3 * (time.perf_counter() - start)
+
+    def touch(caches) -> float:
+        start = time.perf_counter()
+        mx.eval([mx.sum(a) for a in mlx_caches.arrays_of(caches)])
+        return 1e3 * (time.perf_counter() - start)
+    for i in range(6):
+        merged, moved = i % 2 == 1, i < 4
+        service = gpu.service_for(model, config, directory)
+        service.interpreter.store.to_device = moved
+        request = Request(prompt, 16)
+        start = time.perf_counter()
+        state = service.acquire(request, "bench")
+        mx.eval(mlx_caches.arrays_of(state.caches))
+        fetched = 1e3 * (time.perf_counter() - start)
+        source, reused = state.source.value, state.reused_tokens
+        touched = touch(state.caches) if i >= 2 else 0.0
+        first = step(state.caches, merged)
+        service.release(request)
+        state = service.acquire(request, "bench")  # a RAM hit on what the restore left
+        mx.eval(mlx_caches.arrays_of(state.caches))
+        resident = step(state.caches, merged)
+        service.release(request)
+        service.close()
+        print(f"round {i} ({'merged into a batch' if merged else 'as restored'}): fetch {fetched:.1f} ms "
+              f"({source}, {reused} tokens, moved in bulk: {moved and device_memory.on_cuda() and not device_memory._unavailable}), "
+              f"first GPU read of them {touched:.1f} ms, step of {new} "
+              f"tokens on the restored caches {first:.1f} ms, after a RAM hit {resident:.1f} ms", flush=True)
+    # The same bytes outside the service: arrays allocated as a chain read allocates them (MLX's loader of
+    # a file object), and as a whole-prefix read does (by path), filled on the host, moved, first GPU read.
+    from kvstate.interpreters.mlx import chain_reads
+    layers = mlx_caches.arrays_of(state.caches)
+    table = {f"{k}": ("BF16", list(a.shape)) for k, a in enumerate(layers)}
+    path = os.path.join(directory, "probe.safetensors")
+    mx.save_safetensors(path, {f"{k}": a for k, a in enumerate(layers)})
+    for label in ("file object", "path", "file object", "path"):
+        if label == "path":
+            arrays = mx.load(path, format="safetensors", stream=mx.cpu)
+            mx.eval(list(arrays.values()))
+        else:
+            arrays = chain_reads.unfilled_arrays(table)
+            for a in arrays.values():
+                np.asarray(mx.view(a, mx.uint8))[...] = 1
+        start = time.perf_counter()
+        device_memory.move_to_device(arrays.values())
+        moved_at = time.perf_counter()
+        mx.eval([mx.sum(a) for a in arrays.values()])
+        done = time.perf_counter()
+        print(f"{sum(a.nbytes for a in arrays.values()) / 2**20:.0f} MiB allocated by MLX's loader of a {label}: "
+              f"move {1e3 * (moved_at - start):.1f} ms, first GPU read {1e3 * (done - moved_at):.1f} ms", flush=True)
+        del arrays
+
 if __name__ == "__main__":
     import argparse
 
     from kvstate.interpreters.mlx.host_memory import keep_freed_memory
 
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
-             "ram-hit": ram_hit, "restore-reuse": restore_reuse}
+             "ram-hit": ram_hit, "restore-reuse": restore_reuse,
+             "restored-step": restored_step}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=parts)
     parser.add_argument("--keep-freed-memory", action="store_true",
