@@ -427,6 +427,7 @@ def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> N
     from kvstate.interpreters.mlx import caches as mlx_caches
     from kvstate.interpreters.mlx import device_memory
 
+    gpu.fingerprint_once()  # else every service built pulls the weights to the host, and the next step back
     directory = tempfile.mkdtemp()
     model, config = gpu.build(geometry)
     prompt = gpu.prompt_of(tokens + new + 1, salt=11)
