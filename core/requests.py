@@ -108,8 +108,8 @@ def decide_publish(state: ServiceState, e: ev.Publish, may_wait: bool):
                                      f"publish exactly the tokens the caches hold")
     check_sizes(e.nbytes, e.file_bytes)
     if e.next_chunk and not e.chunk:
-        raise InvalidRequest(f"next_chunk ({len(e.next_chunk)} tokens) was given for a publish that is not a chunk "
-                        f"snapshot; pass chunk=True, or no next_chunk")
+        raise InvalidRequest(f"next_chunk ({len(e.next_chunk)} tokens) was given for a publish that is not a "
+                             f"chunk snapshot; pass chunk=True, or no next_chunk")
     if e.blocks:
         _check_blocks(state, e)
     protected = bool(state.config.retention(namespace, e.tokens, request)) if state.config.retention else False

@@ -560,8 +560,8 @@ def _keep_blocks(d: Draft, offer: Offer) -> object:
     snapshot = _held_snapshot(d, offer) if offer.snapshot is not None else None
     if links is None or snapshot is False:
         return keep(d, attrs.evolve(offer, blocks=(), snapshot=None))
-    # A chunk snapshot not held yet is a guess unless a held prefix goes past it (then it is kept as
-    # any snapshot is): a guess must be worth its bytes, and is kept only in free RAM (below).
+    # A chunk snapshot not held yet is a guess unless it is the last before a branch point (then it is
+    # kept as any snapshot is): a guess must be worth its bytes, and is kept only in free RAM (below).
     guess = offer.chunk and offer.snapshot is not None and snapshot is None and (
         d.config.snapshot_admission == "bytes" or not at_a_branch_point(d, offer))
     if guess and not snapshot_worth_keeping(d, offer):  # the chain's blocks wait for one worth keeping
