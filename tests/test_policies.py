@@ -272,7 +272,7 @@ def test_gdsf_heap_stays_leftist_and_counts_its_items(operations):
     held = set()
     for op, key, size in operations:
         if op == "put" and len(held) >= 4:
-            state, victim = strategy.evict(state, lambda k: k % 2 == 0)  # odd keys stay: popped, then pushed back
+            state, victim = strategy.evict(state, lambda k: k % 2 == 0)  # odd keys stay: read past, left in place
             held.discard(victim)
         state = applied(strategy, state, op, key, size, held, tag=0)
         assert heap_nodes(state.heap) == state.items
@@ -293,6 +293,26 @@ def test_gdsf_counts_its_heap_items_exactly_through_rebuilds():
     assert rebuilt >= 3
     state, victim = strategy.evict(state, lambda k: True)
     assert victim is not None and heap_nodes(state.heap) == state.items
+
+
+def test_gdsf_eviction_reads_past_held_back_keys_and_rebuilds_a_heap_gone_stale():
+    """An eviction whose rule holds back every key but the most valuable one still names the least of
+    those allowed (computed here from the live priorities), leaves the held-back keys in the heap, and,
+    having read past as many stale items as live ones, rebuilds the heap from the live ones."""
+    strategy = policy("gdsf")
+    state = strategy.empty(CAPACITY)
+    for key in range(100):
+        state = strategy.inserted(state, key, 10, float(key + 1), 0)
+    for key in range(100):
+        state = strategy.accessed(state, key)  # each leaves its first item stale
+    assert state.items == 200 and heap_nodes(state.heap) == 200
+    live = {key: (info.priority, info.stamp) for key, info in state.info.items()}
+    allowed = {97, 98, 99}
+    state, victim = strategy.evict(state, lambda k: k in allowed)
+    assert victim == min(allowed, key=live.get)
+    assert state.items == 99 == len(state.info) and heap_nodes(state.heap) == 99  # rebuilt: no stale item left
+    state, second = strategy.evict(state, lambda k: k in allowed)
+    assert second == min(allowed - {victim}, key=live.get) and heap_nodes(state.heap) == state.items
 
 
 def test_s3fifo_evicts_a_main_key_at_the_highest_use_count_when_it_is_the_only_key():

@@ -7,10 +7,13 @@ its bytes: entries cheap to hold for the work they save stay.
 
 The priority queue is a persistent leftist heap of tuples with lazy deletion:
 a key's current ``(priority, stamp)`` is in ``info``; older heap items are stale.
+An eviction reads the heap in order and pops nothing the caller's rule holds back
+(in blocks, every block something still extends), so its cost is the items read.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Optional
 
 import attrs
@@ -81,9 +84,7 @@ class GDSF(RemembersNothing, OneAtATime):
         info = state.info.set(key, GdsfInfo(uses, size, cost, priority, clock))
         heap, items = _push(state.heap, (priority, clock, key)), state.items + 1
         if worth_compacting(items, len(info)):
-            heap, items = None, 0
-            for k, i in info.items():
-                heap, items = _push(heap, (i.priority, i.stamp, k)), items + 1
+            heap, items = _heap_of(info)
         return GdsfState(heap, items, info, state.inflation, clock)
 
     def inserted(self, state: GdsfState, key: int, size: int, cost: float, tag: int) -> GdsfState:
@@ -100,22 +101,57 @@ class GDSF(RemembersNothing, OneAtATime):
 
     def evict(self, state: GdsfState, evictable: Evictable) -> tuple[GdsfState, int | None]:
         heap, items, info = state.heap, state.items, state.info
-        kept: list[tuple] = []
-        victim = None
-        while heap is not None:
-            item, heap = _pop(heap)
-            items -= 1
-            priority, stamp, key = item
-            current = info.get(key)
-            if current is None or current.stamp != stamp:
-                continue  # stale
-            if evictable(key):
-                victim = item
-                break
-            kept.append(item)
-        for item in kept:
-            heap, items = _push(heap, item), items + 1
+        while heap is not None and _stale(heap[1], info):  # stale items at the front go for good
+            heap, items = _merge(heap[2], heap[3]), items - 1
+        victim, visited, stale = _first_allowed(heap, info, evictable)
+        if victim is not None:
+            info = info.delete(victim[2])
+            if heap[1] is victim:
+                heap, items = _merge(heap[2], heap[3]), items - 1
+            # elsewhere in the heap the victim's item is left stale (its key is gone from ``info``)
+        if stale > STALE_VISITS and 2 * stale >= visited:  # as many stale as live on the way: rebuilt
+            heap, items = _heap_of(info)
         if victim is None:
             return GdsfState(heap, items, info, state.inflation, state.clock), None
-        priority, _, key = victim
-        return GdsfState(heap, items, info.delete(key), max(state.inflation, priority), state.clock), key
+        return GdsfState(heap, items, info, max(state.inflation, victim[0]), state.clock), victim[2]
+
+
+#: Stale items one eviction may read past before the heap is rebuilt from its live items.
+STALE_VISITS = 64
+
+
+def _stale(item: tuple, info: immutables.Map) -> bool:
+    current = info.get(item[2])
+    return current is None or current.stamp != item[1]
+
+
+def _heap_of(info: immutables.Map) -> tuple[Heap, int]:
+    """A heap of the live items of ``info`` and their count, built at once: in order, each node's left
+    child the next (a leftist heap whose right children are all empty)."""
+    heap = None
+    for item in sorted(((i.priority, i.stamp, key) for key, i in info.items()), reverse=True):
+        heap = (1, item, heap, None)
+    return heap, len(info)
+
+
+def _first_allowed(heap: Heap, info: immutables.Map, evictable: Evictable) -> tuple[tuple | None, int, int]:
+    """The least live item of ``heap`` whose key ``evictable`` allows (None), with the items read and
+    how many of them were stale; the heap unchanged.
+
+    Items are visited in order, a node's children once the node is passed (the order pops would give),
+    so the keys the rule holds back (a block something still extends) are read, not popped and pushed
+    back."""
+    frontier = [(heap[1], heap)] if heap is not None else []
+    visited = stale = 0
+    while frontier:
+        item, node = heapq.heappop(frontier)
+        visited += 1
+        current = info.get(item[2])
+        if current is None or current.stamp != item[1]:
+            stale += 1
+        elif evictable(item[2]):
+            return item, visited, stale
+        for child in (node[2], node[3]):
+            if child is not None:
+                heapq.heappush(frontier, (child[1], child))  # items are unique (stamps are): nodes never compared
+    return None, visited, stale
