@@ -398,18 +398,26 @@ def test_a_pin_belongs_to_a_row_placed_alone():
     assert admission._pins == {}
 
 
-def test_a_row_is_due_a_chunk_snapshot_each_time_its_prefill_passes_a_multiple_of_the_chunk():
-    """With ``snapshot_every`` 32, a row that reused 40 tokens and computes 60 more is due at 64 (its
-    first multiple past where it began), not before; again at 96 once the snapshot at 64 is taken;
-    never at a segment's end or the prompt's (the server keeps those itself) nor for a row of no request."""
-    from tests.test_prompt_cache import MODEL_KEY, adapter, computed
+def _row_in_prefill(snapshot_every: int, reused: int):
+    """Row 1, the prompt 1..100, placed in a batch that snapshots every ``snapshot_every`` tokens, after
+    ``reused`` tokens it reused: ``(model, cache, admission, prompt)``."""
+    from tests.test_prompt_cache import adapter
     model, cache = adapter()
-    admission = BatchAdmission(cache, share_wait_s=0.0, snapshot_every=32)
+    admission = BatchAdmission(cache, share_wait_s=0.0, snapshot_every=snapshot_every)
     prompt = list(range(1, 101))
     (item,), arrivals, take, tokenize = _items([(prompt, 4)])
     arrivals.append(item)
     assert admission.next_admitted(take, tokenize, 0) is item
-    admission.placed([1], segments=[[prompt[40:]]], cached=[prompt[:40]])
+    admission.placed([1], segments=[[prompt[reused:]]], cached=[prompt[:reused]])
+    return model, cache, admission, prompt
+
+
+def test_a_row_is_due_a_chunk_snapshot_each_time_its_prefill_passes_a_multiple_of_the_chunk():
+    """With ``snapshot_every`` 32, a row that reused 40 tokens and computes 60 more is due at 64 (its
+    first multiple past where it began), not before; again at 96 once the snapshot at 64 is taken;
+    never at a segment's end or the prompt's (the server keeps those itself) nor for a row of no request."""
+    from tests.test_prompt_cache import computed
+    model, cache, admission, prompt = _row_in_prefill(snapshot_every=32, reused=40)
 
     def at(position, **ends):
         response = SimpleNamespace(uid=1, progress=(position - 40, 60), end_of_segment=False, end_of_prompt=False)
@@ -431,14 +439,8 @@ def test_a_chunk_snapshot_says_the_prompt_to_where_the_next_is_due():
     """A snapshot at 64 with ``snapshot_every`` 16 and prefill steps of 8: the next is due at the first
     step past 80, at most 87, so it says the prompt's tokens 64..87 (cut at the prompt's end); the core
     then keeps it as a branch point's only where no held prefix goes past them."""
-    from tests.test_prompt_cache import adapter, computed
-    model, cache = adapter()
-    admission = BatchAdmission(cache, share_wait_s=0.0, snapshot_every=16)
-    prompt = list(range(1, 101))
-    (item,), arrivals, take, tokenize = _items([(prompt, 4)])
-    arrivals.append(item)
-    assert admission.next_admitted(take, tokenize, 0) is item
-    admission.placed([1], segments=[[prompt]], cached=[[]])
+    from tests.test_prompt_cache import computed
+    model, cache, admission, prompt = _row_in_prefill(snapshot_every=16, reused=0)
     offered = []
     publish = cache.service.publish
     cache.service.publish = lambda *args, **kwargs: (offered.append(kwargs), publish(*args, **kwargs))[1]
