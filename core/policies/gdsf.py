@@ -48,10 +48,6 @@ def _push(heap: Heap, item: tuple) -> Heap:
     return _merge(heap, (1, item, None, None))
 
 
-def _pop(heap: tuple) -> tuple[tuple, Heap]:
-    return heap[1], _merge(heap[2], heap[3])
-
-
 @attrs.frozen
 class GdsfInfo:
     uses: int
@@ -146,8 +142,7 @@ def _first_allowed(heap: Heap, info: immutables.Map, evictable: Evictable) -> tu
     while frontier:
         item, node = heapq.heappop(frontier)
         visited += 1
-        current = info.get(item[2])
-        if current is None or current.stamp != item[1]:
+        if _stale(item, info):
             stale += 1
         elif evictable(item[2]):
             return item, visited, stale
