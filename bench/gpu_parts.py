@@ -34,9 +34,12 @@
 
 - ``restored-step``: the first prefill step after a restart, at the 8B geometry: a conversation of
   5,666 tokens kept in blocks and written to disk, then, each time in a freshly built service (a
-  restart), the acquire that restores it and the step of the next 347 tokens on the restored caches
-  (as they come, and merged into a batch of one as mlx-lm's batch loop takes them), beside the same
-  step after a RAM hit on the same service: whether restored arrays cost their first step more.
+  restart), the acquire that restores it and the next 347 tokens on the restored caches three ways
+  (a model call on them as they come; merged into a batch of one first, the merge timed apart; and
+  through mlx-lm's ``BatchGenerator`` to the first generated token, as ``kvstate serve`` runs it),
+  beside the same after a RAM hit on the same service, and every token through the generator with no
+  cache (stock's miss): whether restored arrays cost their first step more. Then MLX's fresh device
+  memory against its reused memory, and MLX's loader's arrays moved and read.
 
     python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse|restored-step [--keep-freed-memory]
 """
@@ -421,6 +424,7 @@ def ram_hit(layers: int = 32, heads: int = 8, dim: int = 128, tokens: int = 2816
 def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
+    from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import BatchKVCache
 
     from kvstate import Request
@@ -439,39 +443,79 @@ def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> N
     service.release(request)
     assert service.close().durable
 
-    def step(caches, merged: bool) -> float:
+    def step(caches, merged: bool) -> str:
+        """The step of the next ``new`` tokens; merged first into a batch of one (evaluated on its own,
+        so the merge's copy into fresh memory is told apart from the step)."""
         start = time.perf_counter()
         if merged:
             caches = [BatchKVCache.merge([c]) for c in caches]
+            mx.eval([a for c in caches for a in (c.keys, c.values)])
+        joined = time.perf_counter()
         mx.eval(mx.argmax(model(mx.array([list(prompt[tokens:tokens + new])]), cache=caches)[0, -1]))
-        return 1e3 * (time.perf_counter() - start)
+        done = time.perf_counter()
+        return (f"{1e3 * (done - start):.1f} ms" if not merged else
+                f"{1e3 * (done - start):.1f} ms (merge {1e3 * (joined - start):.1f}, step {1e3 * (done - joined):.1f})")
 
     def touch(caches) -> float:
         start = time.perf_counter()
         mx.eval([mx.sum(a) for a in mlx_caches.arrays_of(caches)])
         return 1e3 * (time.perf_counter() - start)
+    def through_generator(caches) -> str:
+        """The next ``new`` tokens through mlx-lm's ``BatchGenerator`` on ``caches``, as ``kvstate serve``
+        hands them: to the first generated token."""
+        start = time.perf_counter()
+        generator = BatchGenerator(model, max_tokens=1, prefill_step_size=2048)
+        generator.insert([list(prompt[tokens:tokens + new])], max_tokens=[1], caches=[caches])
+        while not generator.next_generated():
+            pass
+        generator.close()
+        return f"{1e3 * (time.perf_counter() - start):.1f} ms"
+
+    modes = ("as restored", "merged into a batch", "through BatchGenerator")
     for i in range(6):
-        merged, moved = i % 2 == 1, i < 4
+        mode = modes[i % 3]
         service = gpu.service_for(model, config, directory)
-        service.interpreter.store.to_device = moved
         request = Request(prompt, 16)
         start = time.perf_counter()
         state = service.acquire(request, "bench")
         mx.eval(mlx_caches.arrays_of(state.caches))
         fetched = 1e3 * (time.perf_counter() - start)
         source, reused = state.source.value, state.reused_tokens
-        touched = touch(state.caches) if i >= 2 else 0.0
-        first = step(state.caches, merged)
+        touched = touch(state.caches) if i >= 3 else 0.0
+        run = through_generator if mode == modes[2] else functools.partial(step, merged=mode == modes[1])
+        first = run(state.caches)
         service.release(request)
         state = service.acquire(request, "bench")  # a RAM hit on what the restore left
         mx.eval(mlx_caches.arrays_of(state.caches))
-        resident = step(state.caches, merged)
+        resident = run(state.caches)
         service.release(request)
         service.close()
-        print(f"round {i} ({'merged into a batch' if merged else 'as restored'}): fetch {fetched:.1f} ms "
-              f"({source}, {reused} tokens, moved in bulk: {moved and device_memory.on_cuda() and not device_memory._unavailable}), "
-              f"first GPU read of them {touched:.1f} ms, step of {new} "
-              f"tokens on the restored caches {first:.1f} ms, after a RAM hit {resident:.1f} ms", flush=True)
+        print(f"round {i} ({mode}): fetch {fetched:.1f} ms ({source}, {reused} tokens), "
+              f"first GPU read of them {touched:.1f} ms, the next {new} "
+              f"tokens on the restored caches {first}, after a RAM hit {resident}", flush=True)
+    for _ in range(2):  # stock's miss: every token prefilled through the same loop, no cache handed in
+        start = time.perf_counter()
+        generator = BatchGenerator(model, max_tokens=1, prefill_step_size=2048)
+        generator.insert([list(prompt[:tokens + new])], max_tokens=[1])
+        while not generator.next_generated():
+            pass
+        generator.close()
+        print(f"all {tokens + new} tokens through BatchGenerator, no cache: "
+              f"{1e3 * (time.perf_counter() - start):.1f} ms", flush=True)
+    # MLX's fresh memory against its reused memory: as many bytes as the restored caches, allocated and
+    # written on the device, once after the buffer cache is emptied and once again.
+    nbytes = sum(a.nbytes for a in mlx_caches.arrays_of(state.caches))
+    mx.clear_cache()
+    for label in ("fresh", "reused", "fresh", "reused"):
+        if label == "fresh":
+            mx.clear_cache()
+        start = time.perf_counter()
+        filled = [mx.full((a.size,), 1, a.dtype) for a in mlx_caches.arrays_of(state.caches)]
+        mx.eval(filled)
+        mx.synchronize()
+        print(f"{nbytes / 2**20:.0f} MiB of {label} device memory written in "
+              f"{1e3 * (time.perf_counter() - start):.1f} ms", flush=True)
+        del filled
     # The same bytes outside the service: arrays allocated as a chain read allocates them (MLX's loader of
     # a file object), and as a whole-prefix read does (by path), filled on the host, moved, first GPU read.
     from kvstate.interpreters.mlx import chain_reads
