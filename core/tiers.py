@@ -525,8 +525,9 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
                 return None
         held = d.entries[found] if found is not None else None
         if (offer.snapshot is None and stop - start < d.config.block_tokens
-                and (held is None or held.residence not in IN_RAM)):
+                and (held is None or held.residence not in IN_RAM) and (not links or links[-1].held is not None)):
             # A partial last block a RAM block already covers is not kept again (nor its saved copy adopted).
+            # Only a block on the held block before it can cover it: none where that one is new.
             held = _covering(d, offer.namespace, data[:stop * WIDTH], start) or held
         links.append(_Link(start, stop, key, nbytes, file_bytes, held))
         parent = key
