@@ -257,8 +257,8 @@ class Entry(PackedIds):
     starts at 0.
 
     Its fields live in its instance dict, not in slots, so the commonest changes (a use, a count of
-    the blocks extending it) copy one dict instead of calling the 20-field constructor: a hit on a
-    chain of n blocks restamps n entries."""
+    the blocks extending it) copy one dict instead of calling the 20-field constructor: where idle
+    rules run, a hit on a chain of n blocks restamps n entries."""
 
     id: int
     namespace: str
@@ -270,6 +270,8 @@ class Entry(PackedIds):
     nbytes: int
     trimmable: bool
     residence: Residence
+    #: When it was kept, and after that its last use where a rule reads it (``config.idle_rules``):
+    #: elsewhere no decision does, and a hit on a chain would rewrite every block's entry for nothing.
     last_used: float
     session: str | None
     protected: bool

@@ -309,23 +309,23 @@ def touch_all(d: Draft, entries: list[Entry]) -> None:
     """Each of RAM ``entries`` was used now, in that order (a chain's blocks, the last first): as
     :func:`touch` of each, the entries map changed once and RAM's policy told in one call."""
     now = d.now
-    stale = [entry for entry in entries if entry.last_used != now]
-    if stale:
+    stale = [entry for entry in entries if entry.last_used != now] if d.config.idle_rules else ()
+    if stale:  # only where a rule reads the last use (see ``Entry.last_used``)
         changed = d.entries.mutate()
         for entry in stale:
             changed[entry.id] = entry.used(now, entry.read_errors)
         d.entries = changed.finish()
-        if d.config.idle_rules:
-            for entry in stale:
-                d.idle = d.idle.used(entry.id, now, d.entries)
+        for entry in stale:
+            d.idle = d.idle.used(entry.id, now, d.entries)
     d.ram.policy = d.ram.strategy.accessed_all(d.ram.policy, [entry.id for entry in entries])
 
 
 def _stamp(d: Draft, entry: Entry, disk: bool) -> None:
     """``entry``'s last use is now (and a read of its file that worked ends its run of I/O errors)."""
     read_errors = 0 if disk else entry.read_errors
-    if entry.last_used != d.now or entry.read_errors != read_errors:
-        d.set_entry(entry.used(d.now, read_errors))
+    stamped = d.config.idle_rules and entry.last_used != d.now  # only where a rule reads it (``Entry.last_used``)
+    if stamped or entry.read_errors != read_errors:
+        d.set_entry(entry.used(d.now if stamped else entry.last_used, read_errors))
         _used(d, d.entries[entry.id])
 
 
