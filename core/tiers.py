@@ -835,8 +835,12 @@ def spill_failed(d: Draft, e: done.SpillFailed) -> object:
     d.writes_add(-1, -entry.nbytes)
     d.disk.bytes -= entry.file_bytes
     d.set_entry(attrs.evolve(entry, residence=moved(entry.residence, Move.WRITE_FAILED)))
-    _idle_again(d, entry.id)
     d.count("failed_writes")
+    # A partial block a longer one came to serve while its write was in flight goes now, as it would
+    # have once the write landed; anything else is RAM-only again, and waits.
+    drop_if_superseded(d, d.entries[entry.id])
+    if entry.id in d.entries:
+        _idle_again(d, entry.id)
     return None
 
 

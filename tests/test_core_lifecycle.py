@@ -183,6 +183,27 @@ def test_a_longer_trimmable_entry_supersedes_the_shorter_ones_it_serves_in_ram()
     assert core(ev.Acquire(9, Request((1, 2, 9), 4), "n", 99)).reused_tokens == 2  # served by the longer
 
 
+def test_a_partial_block_superseded_while_its_write_is_in_flight_goes_whether_the_write_lands_or_fails():
+    """A longer chain comes to serve a partial block that is being written: its RAM copy goes once the
+    write lands, and where the write fails it goes all the same (else RAM would hold its tokens twice)."""
+    for outcome in ("lands", "fails"):
+        core = tiered(block_tokens=2)
+        short = (1, 2, 3)
+        core(ev.Publish(Request(short, 1), "n", short, 998, 3, 15, True, 15, blocks=((10, 10), (5, 5))))
+        partial = core.of(fx.SpillEntry)[-1].entry  # the block of token 3, written behind
+        tokens = (1, 2, 3, 4)
+        core(ev.Publish(Request(tokens, 1), "n", tokens, 999, 4, 20, True, 20, blocks=((10, 10), (10, 10))))
+        assert core.residence(partial) is R.SPILLING and core.counts()["superseded"] == 1
+        if outcome == "lands":
+            core(done.SpillDone(partial))
+            assert core.residence(partial) is R.DISK  # its saved copy stays, its RAM copy went
+        else:
+            core(done.SpillFailed(partial, done.FailureReason.IO_ERROR))
+            assert core.residence(partial) is None and fx.DropEntry(partial) in core.of(fx.DropEntry)
+        assert [e.tokens for e in core.state.entries.values() if e.residence in (R.RAM, R.BOTH, R.SPILLING)
+                and e.start == 2] == [tokens]
+
+
 def test_a_scan_enters_a_saved_snapshot_at_its_chains_end_and_deletes_one_that_is_not():
     from kvstate.core.blocks import block_names
     core = tiered(block_tokens=2)
