@@ -188,6 +188,10 @@ def count_child(d: Draft, entry: Entry, children: int = 0, ram_children: int = 0
     d.set_entry(counted)
     if ram_children and parent.residence in IN_RAM:
         _relist(d.ram, parent, counted, True)
+        if not parent.ram_children:  # RAM's policy may set aside what leaf-first eviction cannot take
+            d.ram.policy = d.ram.strategy.extended(d.ram.policy, parent.id)
+        elif not counted.ram_children:
+            d.ram.policy = d.ram.strategy.leaf_again(d.ram.policy, parent.id)
     if disk_children and parent.residence in ON_DISK:
         _relist(d.disk, parent, counted, False)
 
@@ -265,6 +269,8 @@ def insert_ram(d: Draft, entry: Entry) -> None:
     if listed(entry, True):
         ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
+    if entry.ram_children:
+        ram.policy = ram.strategy.extended(ram.policy, entry.id)
     block_events.stored(d, entry, block_events.RAM)
     count_child(d, entry, ram_children=1)
     _used(d, d.entries[entry.id])
@@ -689,6 +695,9 @@ def _enter_ram(run: list[Entry], d: Draft) -> None:
         if listed(entry, True):
             ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
     ram.policy = ram.strategy.inserted_all(ram.policy, [(e.id, e.nbytes, e.length, e.tag) for e in run])
+    for entry in run:
+        if entry.ram_children:  # every block but the chain's last
+            ram.policy = ram.strategy.extended(ram.policy, entry.id)
     for entry in run:
         _used(d, entry)
     if d.config.block_events:

@@ -729,6 +729,18 @@ class BlockedServiceMachine(TieredServiceMachine):
                 assert parent.residence in IN_RAM
 
     @invariant()
+    def rams_policy_sets_aside_exactly_the_blocks_a_ram_block_extends(self):
+        """Where RAM's policy sets aside what leaf-first eviction cannot take (GDSF), the tier has told it
+        of exactly the RAM blocks another RAM block extends: none missing (it would read past them), none
+        extra (it would never evict them)."""
+        state = self.service.state
+        parked = getattr(state.ram.policy, "parked", None)
+        if parked is None:
+            return
+        extended = {e.id for e in state.entries.values() if e.residence in IN_RAM and e.ram_children}
+        assert set(parked.keys()) == extended
+
+    @invariant()
     def ram_holds_each_tokens_state_once(self):
         """No two RAM blocks hold the state of one position of one path: blocks from one parent never
         have one's tokens begin the other's (a partial block a longer one covers is let go; one whose write

@@ -17,8 +17,10 @@ from tests.reference import NaiveFIFO, NaiveGDSF, NaiveLFU, NaiveLRU, NaiveS3FIF
 CAPACITY = 100
 REFERENCES = {"lru": NaiveLRU, "fifo": NaiveFIFO, "lfu": NaiveLFU, "sieve": NaiveSIEVE, "gdsf": NaiveGDSF,
               "s3fifo": lambda: NaiveS3FIFO(CAPACITY)}
-operation = st.tuples(st.sampled_from(["put", "hit", "hit", "pin", "unpin", "remove"]), st.integers(0, 25),
-                      st.integers(1, 40))
+#: ``extend`` and ``leaf``: a block the tier holds comes to extend the key's, or none does any more (the
+#: tier refuses the key in between, and tells the policy: see ``EvictionPolicy.extended``).
+operation = st.tuples(st.sampled_from(["put", "hit", "hit", "pin", "unpin", "remove", "extend", "leaf"]),
+                      st.integers(0, 25), st.integers(1, 40))
 #: Runs long enough to fill a table and evict from it in every example (short lists are hypothesis' favourite).
 long_ops = st.lists(operation, min_size=30, max_size=150)
 #: Short runs for the edge cases, long ones so that eviction happens inside the run, not only in the drain.
@@ -26,10 +28,16 @@ ops = st.one_of(st.lists(operation, max_size=20), long_ops)
 
 
 def drive(strategy, operations, reference=None, capacity=CAPACITY):
-    """A byte-bounded cache over ``strategy``; checks every victim, returns the eviction sequence."""
+    """A byte-bounded cache over ``strategy``; checks every victim, returns the eviction sequence. Keys
+    pinned or extended are refused; the policy is told of extensions, the reference is not: a policy
+    that sets an extended key aside must name the victims of one that reads past it."""
     state = strategy.empty(capacity)
     sizes: dict[int, int] = {}
     pinned: set[int] = set()
+    extended: set[int] = set()
+
+    def allowed(k: int) -> bool:
+        return k not in pinned and k not in extended
     evicted = []
     for op, key, size in operations:
         if op == "put" and key not in sizes:
@@ -38,13 +46,13 @@ def drive(strategy, operations, reference=None, capacity=CAPACITY):
             if hasattr(reference, "arriving"):
                 reference.arriving(tag)
             while sum(sizes.values()) + size > capacity:
-                state, victim = strategy.evict(state, lambda k: k not in pinned)
+                state, victim = strategy.evict(state, allowed)
                 if reference is not None:
-                    assert victim == reference.evict(lambda k: k not in pinned)
+                    assert victim == reference.evict(allowed)
                 if victim is None:
-                    assert all(k in pinned for k in sizes), "a key could go, yet the policy named none"
+                    assert not any(allowed(k) for k in sizes), "a key could go, yet the policy named none"
                     break
-                assert victim in sizes and victim not in pinned
+                assert victim in sizes and allowed(victim)
                 del sizes[victim]
                 evicted.append(victim)
             if sum(sizes.values()) + size <= capacity:
@@ -60,23 +68,36 @@ def drive(strategy, operations, reference=None, capacity=CAPACITY):
             pinned.add(key)
         elif op == "unpin":
             pinned.discard(key)
+        elif op == "extend" and key in sizes and key not in extended:
+            extended.add(key)
+            state = strategy.extended(state, key)
+        elif op == "leaf" and key in extended:
+            extended.discard(key)
+            state = strategy.leaf_again(state, key)
         elif op == "remove" and key in sizes and key not in pinned:
             del sizes[key]
+            extended.discard(key)
             state = strategy.removed(state, key)
             if reference is not None:
                 reference.remove(key)
         assert sum(sizes.values()) <= capacity
-    # Draining evicts every unpinned key exactly once, then names none.
-    pinned_left = {k for k in sizes if k in pinned}
-    while True:
-        state, victim = strategy.evict(state, lambda k: k not in pinned)
-        if reference is not None:
-            assert victim == reference.evict(lambda k: k not in pinned)
-        if victim is None:
-            break
-        assert victim in sizes and victim not in pinned
-        del sizes[victim]
-    assert set(sizes) == pinned_left
+    # Draining evicts every key allowed exactly once, then names none; then, nothing extending any key,
+    # every unpinned key.
+    for leaves in (False, True):
+        if leaves:
+            for key in sorted(extended):
+                state = strategy.leaf_again(state, key)
+            extended.clear()
+        held_left = {k for k in sizes if not allowed(k)}
+        while True:
+            state, victim = strategy.evict(state, allowed)
+            if reference is not None:
+                assert victim == reference.evict(allowed)
+            if victim is None:
+                break
+            assert victim in sizes and allowed(victim)
+            del sizes[victim]
+        assert set(sizes) == held_left
     return evicted
 
 
@@ -275,6 +296,35 @@ def test_gdsf_heap_stays_leftist_and_counts_its_items(operations):
             state, victim = strategy.evict(state, lambda k: k % 2 == 0)  # odd keys stay: read past, left in place
             held.discard(victim)
         state = applied(strategy, state, op, key, size, held, tag=0)
+        assert heap_nodes(state.heap) == state.items
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations=long_ops)
+def test_gdsf_never_reads_a_key_set_aside_while_a_block_extends_it(operations):
+    """A key the tier says is extended is out of GDSF's heap until it is a leaf again: no eviction asks
+    the tier about it (the reads leaf-first eviction made past every parent), and the heap stays
+    leftist and counted as keys go out and come back."""
+    strategy = policy("gdsf")
+    state = strategy.empty(CAPACITY)
+    held, extended = set(), set()
+
+    def allowed(key: int) -> bool:
+        assert key not in extended, f"key {key} was read while set aside"
+        return True
+    for op, key, size in operations:
+        if op == "put" and len(held) > len(extended) + 3:
+            state, victim = strategy.evict(state, allowed)
+            held.discard(victim)
+        if op == "extend" and key in held and key not in extended:
+            extended.add(key)
+            state = strategy.extended(state, key)
+        elif op == "leaf" and key in extended:
+            extended.discard(key)
+            state = strategy.leaf_again(state, key)
+        else:
+            state = applied(strategy, state, op, key, size, held, tag=0)
+            extended &= held
         assert heap_nodes(state.heap) == state.items
 
 

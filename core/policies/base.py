@@ -50,11 +50,29 @@ class EvictionPolicy(Protocol):
     def evict(self, state: Any, evictable: Evictable) -> tuple[Any, int | None]:
         """``(state, victim)``: the key to evict among those ``evictable`` allows, forgotten; or None."""
 
+    def extended(self, state: Any, key: int) -> Any:
+        """A block the tier holds now extends ``key``'s: ``evictable`` refuses it until
+        :meth:`leaf_again` (leaf first). A policy may set it aside instead of reading past it."""
+
+    def leaf_again(self, state: Any, key: int) -> Any:
+        """Nothing the tier holds extends ``key``'s block any more (after :meth:`extended`)."""
+
 
 class RemembersNothing:
     """For policies without memory of evicted content: an arriving miss changes nothing."""
 
     def arriving(self, state: Any, tag: int) -> Any:
+        return state
+
+
+class ReadsPastExtended:
+    """For policies that read past the keys a tier holds back for their extensions as they read past
+    any other it refuses (LRU's order meets them last): told of them, they change nothing."""
+
+    def extended(self, state: Any, key: int) -> Any:
+        return state
+
+    def leaf_again(self, state: Any, key: int) -> Any:
         return state
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, RemembersNothing, StampQueue, \
-    next_stamp
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, ReadsPastExtended, \
+    RemembersNothing, StampQueue, next_stamp
 
 
 @attrs.frozen
@@ -20,7 +20,7 @@ class LfuState:
     clock: int
 
 
-class LFU(RemembersNothing, OneAtATime):
+class LFU(RemembersNothing, OneAtATime, ReadsPastExtended):
     """Least frequently used first, ties by least recent use."""
 
     name = "lfu"

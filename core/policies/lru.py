@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, RemembersNothing, StampQueue, first_evictable, \
-    next_stamp
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, ReadsPastExtended, RemembersNothing, \
+    StampQueue, first_evictable, next_stamp
 
 
 @attrs.frozen
@@ -18,7 +18,7 @@ class QueueState:
     clock: int
 
 
-class LRU(RemembersNothing):
+class LRU(RemembersNothing, ReadsPastExtended):
     """Least recently used first."""
 
     name = "lru"

@@ -17,7 +17,8 @@ from __future__ import annotations
 import attrs
 import immutables
 
-from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, StampQueue, next_stamp
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, ReadsPastExtended, \
+    StampQueue, next_stamp
 
 SMALL_SHARE = 0.1
 GHOST_SHARE = 0.9
@@ -51,7 +52,7 @@ class S3FifoState:
         return int(SMALL_SHARE * self.capacity)
 
 
-class S3FIFO(OneAtATime):
+class S3FIFO(OneAtATime, ReadsPastExtended):
     """Quick demotion of one-hit wonders through a small FIFO."""
 
     name = "s3fifo"

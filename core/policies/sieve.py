@@ -14,8 +14,8 @@ import attrs
 import immutables
 from pyrsistent import pvector
 
-from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, RemembersNothing, StampQueue, \
-    next_stamp, worth_compacting
+from kvstate.core.policies.base import EMPTY_MAP, NO_STAMP, Evictable, OneAtATime, ReadsPastExtended, \
+    RemembersNothing, StampQueue, next_stamp, worth_compacting
 
 
 @attrs.frozen
@@ -28,7 +28,7 @@ class SieveState:
     clock: int
 
 
-class SIEVE(RemembersNothing, OneAtATime):
+class SIEVE(RemembersNothing, OneAtATime, ReadsPastExtended):
     """Lazy promotion, quick demotion."""
 
     name = "sieve"
