@@ -41,7 +41,11 @@
   cache (stock's miss): whether restored arrays cost their first step more. Then MLX's fresh device
   memory against its reused memory, and MLX's loader's arrays moved and read.
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse|restored-step [--keep-freed-memory]
+- ``generator-steps``: one long-lived ``BatchGenerator``, as a server keeps it, given alternately the
+  next 347 tokens of a restored 5,666-token conversation and all 6,013 tokens with no cache (stock's
+  miss), each ``next`` call timed to the first generated token: where the served path's time goes.
+
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse|restored-step|generator-steps [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -540,6 +544,61 @@ def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> N
               f"move {1e3 * (moved_at - start):.1f} ms, first GPU read {1e3 * (done - moved_at):.1f} ms", flush=True)
         del arrays
 
+def generator_steps(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
+    """One long-lived ``BatchGenerator``, as a server keeps it: the next ``new`` tokens of a restored
+    conversation, and every token of it with no cache (stock's miss), alternately; each ``next`` call
+    timed to the first generated token."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu
+    from mlx_lm.generate import BatchGenerator
+
+    from kvstate import Request
+    from kvstate.interpreters.mlx import caches as mlx_caches
+
+    gpu.fingerprint_once()
+    directory = tempfile.mkdtemp()
+    model, config = gpu.build(geometry)
+    prompt = gpu.prompt_of(tokens + new + 1, salt=11)
+    service = gpu.service_for(model, config, directory)
+    request = Request(prompt[:tokens], 16)
+    state = service.acquire(request, "bench")
+    gpu.prefill(model, state.caches, prompt[:tokens], chunk=2048)
+    service.publish(request, "bench", prompt[:tokens], state.caches)
+    service.release(request)
+    assert service.close().durable
+    generator = BatchGenerator(model, max_tokens=1, prefill_step_size=2048)
+    for i in range(8):
+        restored = i % 2 == 0
+        caches, fetched = None, 0.0
+        if restored:
+            service = gpu.service_for(model, config, directory)
+            request = Request(prompt[:tokens + new], 16)
+            start = time.perf_counter()
+            state = service.acquire(request, "bench")
+            mx.eval(mlx_caches.arrays_of(state.caches))
+            fetched, caches = 1e3 * (time.perf_counter() - start), state.caches
+        start = time.perf_counter()
+        if restored:
+            generator.insert([list(prompt[tokens:tokens + new])], max_tokens=[1], caches=[caches])
+        else:
+            generator.insert([list(prompt[:tokens + new])], max_tokens=[1])
+        inserted, steps = time.perf_counter(), []
+        while True:
+            at = time.perf_counter()
+            _, generated = generator.next()
+            steps.append(1e3 * (time.perf_counter() - at))
+            if generated:
+                break
+        total = 1e3 * (time.perf_counter() - start)
+        print(f"round {i} ({'restored, ' + f'fetch {fetched:.1f} ms' if restored else 'no cache'}): insert "
+              f"{1e3 * (inserted - start):.1f} ms, next calls {', '.join(f'{t:.1f}' for t in steps)} ms, "
+              f"to the first token {total:.1f} ms", flush=True)
+        if restored:
+            service.release(request)
+            service.close()
+    generator.close()
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -547,7 +606,7 @@ if __name__ == "__main__":
 
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
              "ram-hit": ram_hit, "restore-reuse": restore_reuse,
-             "restored-step": restored_step}
+             "restored-step": restored_step, "generator-steps": generator_steps}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=parts)
     parser.add_argument("--keep-freed-memory", action="store_true",
