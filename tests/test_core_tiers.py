@@ -443,6 +443,33 @@ def test_a_use_restarts_an_entrys_idle_time():
     assert core.residence(entry) is R.DISK
 
 
+def test_the_same_state_published_again_restarts_its_idle_time():
+    core = Core(demote_idle_after=10.0, disk_capacity_bytes=1000)
+    entry = core.keep((1, 2, 3)).entry
+    core.settle_writes()
+    core(ev.Tick(8.0))
+    assert core.keep((1, 2, 3)) == Kept(entry, duplicate=True)  # used at 8: idle 7 s at 15
+    core(ev.Tick(15.0))
+    assert core.residence(entry) is R.BOTH
+    core(ev.Tick(18.5))
+    assert core.residence(entry) is R.DISK
+
+
+def test_a_partial_block_a_ram_block_already_covers_is_not_kept_again():
+    """A prompt whose tokens past its last full block a longer RAM block already holds keeps nothing
+    new, whether that partial block follows held blocks or is the chain's first."""
+    cases = (  # blocks of 2: the partial block [4, 5) on two held blocks; of 4: the chain's first, [0, 2)
+        (2, (1, 2, 3, 4, 5, 6), ((10, 10),) * 3, (1, 2, 3, 4, 5), ((10, 10), (10, 10), (5, 5))),
+        (4, (1, 2, 3), ((10, 10),), (1, 2), ((5, 5),)))
+    for block_tokens, tokens, sizes, shorter, blocks in cases:
+        core = Core(block_tokens=block_tokens)
+        core(ev.Publish(Request(tokens, 1), "n", tokens, 998, len(tokens), 30, True, 30, blocks=sizes))
+        held, ram_bytes = dict(core.state.entries), core.state.ram.bytes
+        reply = core(ev.Publish(Request(shorter, 1), "n", shorter, 999, len(shorter), 25, True, 25, blocks=blocks))
+        assert reply.duplicate and dict(core.state.entries).keys() == held.keys()
+        assert core.state.ram.bytes == ram_bytes and core.counts()["duplicates"] == 1
+
+
 def test_a_hit_on_a_chain_restarts_every_one_of_its_blocks_idle_time():
     core = Core(demote_idle_after=10.0, disk_capacity_bytes=1000, block_tokens=2)
     tokens = (1, 2, 3, 4, 5, 6)
