@@ -156,8 +156,8 @@ def _first_allowed(heap: Heap, info: immutables.Map, parked: immutables.Map,
     how many of them were stale; the heap unchanged.
 
     Items are visited in order, a node's children once the node is passed (the order pops would give),
-    so the keys the rule holds back (a block something still extends) are read, not popped and pushed
-    back."""
+    so the keys the rule holds back (pinned, read, leased; a block something extends is set aside, not
+    read) are read, not popped and pushed back."""
     frontier = [(heap[1], id(heap), heap)] if heap is not None else []
     visited = stale = 0
     while frontier:
