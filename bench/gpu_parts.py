@@ -425,17 +425,15 @@ def ram_hit(layers: int = 32, heads: int = 8, dim: int = 128, tokens: int = 2816
               f"{new} new tokens {attention:6.2f} ms", flush=True)
 
 
-def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
+def saved_conversation(tokens: int, new: int, geometry: str):
+    """A model of ``geometry`` with random weights, a prompt of ``tokens + new + 1`` tokens, and a
+    directory where a service kept its first ``tokens`` in blocks and wrote them to disk (fingerprinting
+    the weights once: every service built after it would otherwise pull them to the host)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.models.cache import BatchKVCache
 
     from kvstate import Request
-    from kvstate.interpreters.mlx import caches as mlx_caches
-    from kvstate.interpreters.mlx import device_memory
-
-    gpu.fingerprint_once()  # else every service built pulls the weights to the host, and the next step back
+    gpu.fingerprint_once()
     directory = tempfile.mkdtemp()
     model, config = gpu.build(geometry)
     prompt = gpu.prompt_of(tokens + new + 1, salt=11)
@@ -446,6 +444,20 @@ def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> N
     service.publish(request, "bench", prompt[:tokens], state.caches)
     service.release(request)
     assert service.close().durable
+    return model, config, prompt, directory
+
+
+def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import BatchKVCache
+
+    from kvstate import Request
+    from kvstate.interpreters.mlx import caches as mlx_caches
+    from kvstate.interpreters.mlx import device_memory
+
+    model, config, prompt, directory = saved_conversation(tokens, new, geometry)
 
     def step(caches, merged: bool) -> str:
         """The step of the next ``new`` tokens; merged first into a batch of one (evaluated on its own,
@@ -555,17 +567,7 @@ def generator_steps(tokens: int = 5666, new: int = 347, geometry: str = "8b") ->
     from kvstate import Request
     from kvstate.interpreters.mlx import caches as mlx_caches
 
-    gpu.fingerprint_once()
-    directory = tempfile.mkdtemp()
-    model, config = gpu.build(geometry)
-    prompt = gpu.prompt_of(tokens + new + 1, salt=11)
-    service = gpu.service_for(model, config, directory)
-    request = Request(prompt[:tokens], 16)
-    state = service.acquire(request, "bench")
-    gpu.prefill(model, state.caches, prompt[:tokens], chunk=2048)
-    service.publish(request, "bench", prompt[:tokens], state.caches)
-    service.release(request)
-    assert service.close().durable
+    model, config, prompt, directory = saved_conversation(tokens, new, geometry)
     generator = BatchGenerator(model, max_tokens=1, prefill_step_size=2048)
     for i in range(8):
         restored = i % 2 == 0

@@ -27,6 +27,18 @@ long_ops = st.lists(operation, min_size=30, max_size=150)
 ops = st.one_of(st.lists(operation, max_size=20), long_ops)
 
 
+def extension_told(strategy, state, op, key, held, extended: set):
+    """``state`` after ``extend`` (a held key not extended yet comes to be) or ``leaf`` (an extended key
+    is a leaf again), told to the policy as the tier tells it; ``extended`` kept up to date."""
+    if op == "extend" and key in held and key not in extended:
+        extended.add(key)
+        return strategy.extended(state, key)
+    if op == "leaf" and key in extended:
+        extended.discard(key)
+        return strategy.leaf_again(state, key)
+    return state
+
+
 def drive(strategy, operations, reference=None, capacity=CAPACITY):
     """A byte-bounded cache over ``strategy``; checks every victim, returns the eviction sequence. Keys
     pinned or extended are refused; the policy is told of extensions, the reference is not: a policy
@@ -68,12 +80,8 @@ def drive(strategy, operations, reference=None, capacity=CAPACITY):
             pinned.add(key)
         elif op == "unpin":
             pinned.discard(key)
-        elif op == "extend" and key in sizes and key not in extended:
-            extended.add(key)
-            state = strategy.extended(state, key)
-        elif op == "leaf" and key in extended:
-            extended.discard(key)
-            state = strategy.leaf_again(state, key)
+        elif op in ("extend", "leaf"):
+            state = extension_told(strategy, state, op, key, sizes, extended)
         elif op == "remove" and key in sizes and key not in pinned:
             del sizes[key]
             extended.discard(key)
@@ -316,12 +324,8 @@ def test_gdsf_never_reads_a_key_set_aside_while_a_block_extends_it(operations):
         if op == "put" and len(held) > len(extended) + 3:
             state, victim = strategy.evict(state, allowed)
             held.discard(victim)
-        if op == "extend" and key in held and key not in extended:
-            extended.add(key)
-            state = strategy.extended(state, key)
-        elif op == "leaf" and key in extended:
-            extended.discard(key)
-            state = strategy.leaf_again(state, key)
+        if op in ("extend", "leaf"):
+            state = extension_told(strategy, state, op, key, held, extended)
         else:
             state = applied(strategy, state, op, key, size, held, tag=0)
             extended &= held
