@@ -268,9 +268,9 @@ def insert_ram(d: Draft, entry: Entry) -> None:
     ram = d.ram
     if listed(entry, True):
         ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
-    ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
-    if entry.ram_children:
+    if entry.ram_children:  # told first: a policy may never queue it
         ram.policy = ram.strategy.extended(ram.policy, entry.id)
+    ram.policy = ram.strategy.inserted(ram.policy, entry.id, entry.nbytes, entry.length, entry.tag)
     block_events.stored(d, entry, block_events.RAM)
     count_child(d, entry, ram_children=1)
     _used(d, d.entries[entry.id])
@@ -694,10 +694,10 @@ def _enter_ram(run: list[Entry], d: Draft) -> None:
     for entry in run:
         if listed(entry, True):
             ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
-    ram.policy = ram.strategy.inserted_all(ram.policy, [(e.id, e.nbytes, e.length, e.tag) for e in run])
     for entry in run:
-        if entry.ram_children:  # every block but the chain's last
+        if entry.ram_children:  # every block but the chain's last, told first: a policy may never queue it
             ram.policy = ram.strategy.extended(ram.policy, entry.id)
+    ram.policy = ram.strategy.inserted_all(ram.policy, [(e.id, e.nbytes, e.length, e.tag) for e in run])
     for entry in run:
         _used(d, entry)
     if d.config.block_events:

@@ -52,7 +52,8 @@ class EvictionPolicy(Protocol):
 
     def extended(self, state: Any, key: int) -> Any:
         """A block the tier holds now extends ``key``'s: ``evictable`` refuses it until
-        :meth:`leaf_again` (leaf first). A policy may set it aside instead of reading past it."""
+        :meth:`leaf_again` (leaf first). A policy may set it aside instead of reading past it. A key
+        that enters already extended is told just before it is inserted."""
 
     def leaf_again(self, state: Any, key: int) -> Any:
         """Nothing the tier holds extends ``key``'s block any more (after :meth:`extended`)."""

@@ -104,9 +104,11 @@ class GDSF(RemembersNothing, OneAtATime):
         return GdsfState(state.heap, state.items, state.info.delete(key), state.inflation, state.clock, parked)
 
     def extended(self, state: GdsfState, key: int) -> GdsfState:
-        if key not in state.info or key in state.parked:
+        """Told before ``key`` is inserted (a chain's new blocks), its item never goes in until it is a
+        leaf again; told after, its items read as stale from now."""
+        if key in state.parked:
             return state
-        return attrs.evolve(state, parked=state.parked.set(key, True))  # its items read as stale from now
+        return attrs.evolve(state, parked=state.parked.set(key, True))
 
     def leaf_again(self, state: GdsfState, key: int) -> GdsfState:
         if key not in state.parked:
