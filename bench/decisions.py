@@ -139,6 +139,7 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     import timeit
 
     from kvstate.core import events as ev, step
+    from kvstate.core.blocks import spans
     from kvstate.core.state import content_tag
     from kvstate.core.tokens import Tokens
 
@@ -182,10 +183,17 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     acquire = ev.Acquire(lease, request, "bench", 10**9)
     acquired = step(admitted, acquire).state
     release = ev.Release(lease, True)
+    # A miss's publish of a new state, with the sizes the simulator reports (each block's, in blocks).
+    miss = Request(tuple(range(3 * 10**9, 3 * 10**9 + PROMPT)), 256)
+    missed = step(step(service.state, ev.Admit(lease + 1, miss)).state, ev.Acquire(lease + 1, miss, "bench", 10**9 + 1)).state
+    cuts = spans(PROMPT, BLOCKS["block_tokens"]) if BLOCKS else ()
+    publish = ev.Publish(miss, "bench", miss.prompt, 10**9 + 2, PROMPT, SPEC.bytes_for(PROMPT), True, 0,
+                         tuple((SPEC.bytes_for(stop - start), 0) for start, stop in cuts))
     print("  core.step alone, µs each (best of 5):")
-    for name, state, event in (("admit", service.state, admit), ("acquire hit", admitted, acquire),
-                               ("release", acquired, release)):
-        print(f"  {name:44} {best(lambda: step(state, event), 5000):8.1f}")
+    for name, state, event, number in (("admit", service.state, admit, 5000), ("acquire hit", admitted, acquire, 5000),
+                                       ("release", acquired, release, 5000),
+                                       (f"publish of a new {PROMPT}-token state", missed, publish, 500)):
+        print(f"  {name:44} {best(lambda: step(state, event), number):8.1f}")
     by_length(service, samples)
     floor(service, peer, entries, 3 * samples)
 

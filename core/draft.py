@@ -123,6 +123,11 @@ class Draft:
         self.next_entry += 1
         return self.next_entry - 1
 
+    def new_entry_ids(self, count: int) -> list[int]:
+        """``count`` ids no entry has had, in order."""
+        self.next_entry += count
+        return list(range(self.next_entry - count, self.next_entry))
+
     def set_entry(self, entry: Entry) -> None:
         self.entries = self.entries.set(entry.id, entry)
 

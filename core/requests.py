@@ -16,7 +16,6 @@ from kvstate.core.checkpoints import forget_completed
 from kvstate.core.checks import (
     check_budget, check_context, check_sizes, ensure_open, keeps, non_negative_int,
 )
-from kvstate.core.blocks import spans
 from kvstate.core.draft import Draft, Step, without
 from kvstate.core.errors import InvalidRequest, RequestKeepsNoState, TokensDoNotMatchCaches
 from kvstate.core.replies import Admission, NotKept, NotKeptReason, Pending
@@ -138,7 +137,7 @@ def _check_blocks(state: ServiceState, e: ev.Publish) -> None:
     block_tokens = state.config.block_tokens
     if block_tokens is None:
         raise InvalidRequest("a publish in blocks reached a service that keeps whole prefixes (block_tokens None)")
-    expected = len(spans(len(e.tokens), block_tokens))
+    expected = -(-len(e.tokens) // block_tokens)  # its full blocks and a partial last one (spans)
     if len(e.blocks) != expected:
         raise InvalidRequest(f"a publish of {len(e.tokens)} tokens in blocks of {block_tokens} names "
                              f"{len(e.blocks)} blocks' sizes; it is cut into {expected}")

@@ -338,6 +338,15 @@ class Entry(PackedIds):
         """Used at ``now`` (a hit), with ``read_errors`` failed reads in a row."""
         return self._with({"last_used": now, "read_errors": read_errors})
 
+    def next_block(self, entry_id: int, nbytes: int, file_bytes: int, tag: int, start: int, ends: int | None,
+                   block: bytes, extended: int) -> "Entry":
+        """The block made after this one by the same publish (the rest of its fields shared): entry
+        ``entry_id``, on this one, holding ``block``'s state from ``start``, extended in RAM by
+        ``extended`` (0 or 1) blocks of that publish."""
+        return self._with({"id": entry_id, "nbytes": nbytes, "file_bytes": file_bytes, "tag": tag, "parent": self.id,
+                           "start": start, "ends": ends, "block": block, "children": extended,
+                           "ram_children": extended})
+
     def _with(self, changes: dict) -> "Entry":
         """This entry with ``changes`` to its fields: its dict copied, nothing else checked (the
         fields changed here are the ones no check is about)."""

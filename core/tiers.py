@@ -8,7 +8,7 @@ lifecycle table is the only place that says which moves exist. One eviction rule
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import attrs
 
@@ -497,11 +497,10 @@ def keep(d: Draft, offer: Offer) -> object:
     return Kept(entry.id)
 
 
-@attrs.frozen
-class _Link:
+class _Link(NamedTuple):
     """One block of a chain being kept: its span, its chain key, its sizes, and the entry that already
     holds it (None: none does). The path from the namespace's start to its end is the first ``stop``
-    tokens of the offer's packed prompt (cut only where needed)."""
+    tokens of the offer's packed prompt (cut only where needed). A tuple: a publish makes one a block."""
 
     start: int
     stop: int
@@ -515,6 +514,7 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
     """The blocks ``offer`` is kept in, each with the entry holding it now; None where a path is held
     by a whole entry (state kept whole before): then the offer is kept whole too."""
     data = packed(offer.tokens)
+    view = memoryview(data)  # each block's tokens hashed where they lie, not copied out first
     links, parent = [], namespace_key(offer.namespace)
     cuts = spans(len(offer.tokens), d.config.block_tokens)
     if (not d.config.partial_blocks and offer.snapshot is None and cuts
@@ -522,7 +522,7 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
         cuts = cuts[:-1]  # a snapshot needs the blocks up to its end: only plain KV drops its partial block
     whole: set[int] | None = None
     for (start, stop), (nbytes, file_bytes) in zip(cuts, offer.blocks):
-        key = block_key(parent, data[start * WIDTH:stop * WIDTH])
+        key = block_key(parent, view[start * WIDTH:stop * WIDTH])
         found = d.blocks.get((offer.namespace, key))
         if found is None:  # a whole entry at this path (state kept whole before): the offer is kept whole too
             if whole is None:
@@ -667,20 +667,24 @@ def _new_blocks(d: Draft, offer: Offer, links: list[_Link], tags: dict[int, int]
     namespace, last = offer.namespace, len(links) - 1
     # A block serves alone (any shorter prefix) where every layer is cut, else only under a snapshot.
     trimmable = offer.snapshot is None
-    entries, blocks, ids, above = d.entries.mutate(), d.blocks.mutate(), [], parent
+    entries, blocks, above, made = d.entries.mutate(), d.blocks.mutate(), parent, None
     data = packed(offer.tokens)  # shared by every block made here: each covers its first ``stop`` tokens
     length = len(data) // WIDTH
-    for at, link in enumerate(links):
-        entry_id, extended = d.new_entry_id(), int(at < last)
-        entries[entry_id] = Entry(entry_id, namespace, data, link.nbytes, trimmable, R.RAM, d.now, offer.session,
-                                  offer.protected, tags[link.start], link.file_bytes, parent=above, start=link.start,
-                                  block=link.key, children=extended, ram_children=extended,
-                                  ends=None if link.stop == length else link.stop)
+    ids = d.new_entry_ids(len(links))
+    for at, (entry_id, link) in enumerate(zip(ids, links)):
+        extended, ends = int(at < last), None if link.stop == length else link.stop
+        if made is None:
+            made = Entry(entry_id, namespace, data, link.nbytes, trimmable, R.RAM, d.now, offer.session,
+                         offer.protected, tags[link.start], link.file_bytes, parent=above, start=link.start,
+                         block=link.key, children=extended, ram_children=extended, ends=ends)
+        else:
+            made = made.next_block(entry_id, link.nbytes, link.file_bytes, tags[link.start], link.start, ends,
+                                   link.key, extended)
+        entries[entry_id] = made
         blocks[namespace, link.key] = entry_id
-        d.ram.bytes += link.nbytes
         kept.append(fx.KeptSpan(entry_id, link.start, link.stop, above))
-        ids.append(entry_id)
         above = entry_id
+    d.ram.bytes += sum(link.nbytes for link in links)
     d.entries, d.blocks = entries.finish(), blocks.finish()
     if parent is not None:
         count_child(d, d.entries[ids[0]], children=1, ram_children=1)
@@ -691,15 +695,15 @@ def _enter_ram(run: list[Entry], d: Draft) -> None:
     """The blocks ``run`` (made by :func:`_new_blocks`, the last first) enter RAM's index (only one no
     RAM block extends is listed), its policy (in one call) and the idle order."""
     ram = d.ram
-    for entry in run:
-        if listed(entry, True):
-            ram.index = ram.index.insert(entry.namespace, entry.packed, entry.id, entry.trimmable)
+    if run and listed(run[0], True):  # the chain's last: the others are each extended by the next
+        ram.index = ram.index.insert(run[0].namespace, run[0].packed, run[0].id, run[0].trimmable)
     for entry in run:
         if entry.ram_children:  # every block but the chain's last, told first: a policy may never queue it
             ram.policy = ram.strategy.extended(ram.policy, entry.id)
     ram.policy = ram.strategy.inserted_all(ram.policy, [(e.id, e.nbytes, e.length, e.tag) for e in run])
-    for entry in run:
-        _used(d, entry)
+    if d.config.idle_rules:
+        for entry in run:
+            _used(d, entry)
     if d.config.block_events:
         for entry in reversed(run):  # told first block first, as a chain is read
             block_events.stored(d, entry, block_events.RAM)
