@@ -187,12 +187,16 @@ def parts(entries: int = 1000, samples: int = 300) -> None:
     miss = Request(tuple(range(3 * 10**9, 3 * 10**9 + PROMPT)), 256)
     missed = step(step(service.state, ev.Admit(lease + 1, miss)).state, ev.Acquire(lease + 1, miss, "bench", 10**9 + 1)).state
     cuts = spans(PROMPT, BLOCKS["block_tokens"]) if BLOCKS else ()
-    publish = ev.Publish(miss, "bench", miss.prompt, 10**9 + 2, PROMPT, SPEC.bytes_for(PROMPT), True, 0,
-                         tuple((SPEC.bytes_for(stop - start), 0) for start, stop in cuts))
+    sizes = tuple((SPEC.bytes_for(stop - start), 0) for start, stop in cuts)
+    publish = ev.Publish(miss, "bench", miss.prompt, 10**9 + 2, PROMPT, SPEC.bytes_for(PROMPT), True, 0, sizes)
+    # The hit's publish of its whole prompt: the turn after a kept state, whose first 2,000 tokens are held.
+    turn = ev.Publish(request, "bench", request.prompt, 10**9 + 3, PROMPT, SPEC.bytes_for(PROMPT), True, 0, sizes)
     print("  core.step alone, µs each (best of 5):")
     for name, state, event, number in (("admit", service.state, admit, 5000), ("acquire hit", admitted, acquire, 5000),
                                        ("release", acquired, release, 5000),
-                                       (f"publish of a new {PROMPT}-token state", missed, publish, 500)):
+                                       (f"publish of a new {PROMPT}-token state", missed, publish, 500),
+                                       (f"publish of a hit's {PROMPT} tokens ({SYSTEM + TURN:,} held)", acquired, turn,
+                                        500)):
         print(f"  {name:44} {best(lambda: step(state, event), number):8.1f}")
     by_length(service, samples)
     floor(service, peer, entries, 3 * samples)

@@ -521,8 +521,9 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
             and cuts[-1][1] - cuts[-1][0] < d.config.block_tokens):
         cuts = cuts[:-1]  # a snapshot needs the blocks up to its end: only plain KV drops its partial block
     whole: set[int] | None = None
-    for (start, stop), (nbytes, file_bytes) in zip(cuts, offer.blocks):
-        key = block_key(parent, view[start * WIDTH:stop * WIDTH])
+    known = _indexed_keys(d, offer.namespace, data, cuts)
+    for at, ((start, stop), (nbytes, file_bytes)) in enumerate(zip(cuts, offer.blocks)):
+        key = known[at] if at < len(known) else block_key(parent, view[start * WIDTH:stop * WIDTH])
         found = d.blocks.get((offer.namespace, key))
         if found is None:  # a whole entry at this path (state kept whole before): the offer is kept whole too
             if whole is None:
@@ -538,6 +539,31 @@ def _chain_links(d: Draft, offer: Offer) -> list[_Link] | None:
         links.append(_Link(start, stop, key, nbytes, file_bytes, held))
         parent = key
     return links
+
+
+def _indexed_keys(d: Draft, namespace: str, data: bytes, cuts: tuple[tuple[int, int], ...]) -> list[bytes]:
+    """The chain keys of the first of ``cuts`` (the spans packed ``data`` is kept in) that a chain the
+    tiers' indexes list already holds, read from its blocks: a turn that extends a held conversation
+    hashes only its new blocks. A held block's key is its tokens' chain hash (a saved one whose name
+    does not hash to its key is never entered), so reading it gives what hashing again would."""
+    covered, found = 0, None
+    for tier in (d.ram, d.disk) if d.config.has_disk else (d.ram,):
+        length, entry_id = tier.index.longest(namespace, data)
+        if length > covered:
+            covered, found = length, entry_id
+    held: dict[int, tuple[int, bytes]] = {}  # a held block's start: its stop and key, where data has its tokens
+    entry = d.entries[found] if found is not None else None
+    while entry is not None:
+        if entry.block is not None and entry.length <= covered:
+            held[entry.start] = (entry.length, entry.block)
+        entry = d.entries[entry.parent] if entry.parent is not None else None
+    keys = []
+    for start, stop in cuts:  # from the chain's start: each key names every block before it too
+        span = held.get(start)
+        if span is None or span[0] != stop:
+            break
+        keys.append(span[1])
+    return keys
 
 
 def _whole_lengths(d: Draft, namespace: str, data: bytes) -> set[int]:

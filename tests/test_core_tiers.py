@@ -5,9 +5,11 @@ replies and pins that follow."""
 import pytest
 
 from kvstate.core import events as ev
+from kvstate.core.blocks import block_names, spans
 from kvstate.core.errors import InvalidRequest
 from kvstate.core.replies import GaveBack, Kept, NotKept, NotKeptReason, Pending, Source
 from kvstate.core.request import Continuation, Request
+from kvstate.core.state import IN_RAM
 from kvstate.core.tiers import MAX_READ_ERRORS
 from kvstate.core.transitions import optional_bytes
 from kvstate.effects import completions as done
@@ -468,6 +470,41 @@ def test_a_partial_block_a_ram_block_already_covers_is_not_kept_again():
         reply = core(ev.Publish(Request(shorter, 1), "n", shorter, 999, len(shorter), 25, True, 25, blocks=blocks))
         assert reply.duplicate and dict(core.state.entries).keys() == held.keys()
         assert core.state.ram.bytes == ram_bytes and core.counts()["duplicates"] == 1
+
+
+def test_a_publish_on_a_held_chain_keeps_only_the_blocks_it_adds_each_named_by_its_own_tokens():
+    """A turn that extends a held chain, or branches off it inside a block or at a block's end, shares
+    exactly the blocks whose tokens it repeats; every block it keeps is named by its own tokens' chain
+    hash, whether on a chain held in RAM or only on disk."""
+    chat = (1, 2, 3, 4, 5, 6, 7)                    # blocks of 2: [0, 2) [2, 4) [4, 6), partial [6, 7)
+    cases = ((chat, (1, 2, 3, 4, 5, 6, 7, 8, 9), 3),  # the next turn: three full blocks shared
+             (chat, (1, 2, 3, 9, 5, 6), 1),         # diverges inside the second block: one shared
+             (chat, (1, 2, 3, 4, 9, 9, 9), 2),      # diverges at the second block's end: two shared
+             (chat, (1, 9, 3, 4), 0),               # diverges inside the first: none shared
+             ((1,), (1, 2, 3), 0))                  # held only as a partial block [0, 1): not the block [0, 2)
+
+    def sizes(tokens):
+        return tuple((5 * (stop - start), 5 * (stop - start)) for start, stop in spans(len(tokens), 2))
+    for on_disk in (False, True):
+        for held, tokens, shared in cases:
+            options = {"block_tokens": 2, "ram_capacity_bytes": 1000}
+            core = tiered(demote_idle_after=1.0, **options) if on_disk else Core(**options)
+            core(ev.Publish(Request(held, 1), "n", held, 998, len(held), 5 * len(held), True, 5 * len(held),
+                            blocks=sizes(held)))
+            if on_disk:
+                while core.of(fx.SpillEntry):
+                    core.settle_writes()
+                core(ev.Tick(5.0))                  # idle: RAM gives every block up, the chain is on disk only
+                assert {core.residence(entry) for entry in core.state.entries} == {R.DISK}
+            before = {entry.block: entry.id for entry in core.state.entries.values()}
+            core(ev.Publish(Request(tokens, 1), "n", tokens, 999, len(tokens), 5 * len(tokens), True,
+                            5 * len(tokens), blocks=sizes(tokens)))
+            names = block_names("n", tokens, 2)
+            assert [before.get(name.key) is not None for name in names] == [at < shared for at in range(len(names))]
+            after = {entry.block: entry for entry in core.state.entries.values()}
+            assert all(after[name.key].residence in IN_RAM for name in names)  # the turn is held whole, in RAM
+            for entry in core.state.entries.values():
+                assert entry.block == block_names("n", entry.tokens, 2)[-1].key
 
 
 def test_a_hit_on_a_chain_restarts_every_one_of_its_blocks_idle_time():

@@ -676,6 +676,15 @@ class BlockedServiceMachine(TieredServiceMachine):
                    if isinstance(name, BlockName) and len(name.tokens) == BLOCK}
         assert self.router.held["disk"] == on_disk
 
+    @invariant()
+    def every_held_block_is_named_by_its_tokens_chain_hash(self):
+        """In either tier, a block's key is the chain hash of the tokens from its namespace's start to
+        its end, computed here afresh: a publish that reads held blocks' keys instead of hashing
+        again never gives a block a key of tokens it does not hold."""
+        for entry in self.service.state.entries.values():
+            if entry.is_block:
+                assert entry.block == block_names(entry.namespace, entry.tokens, BLOCK)[-1].key
+
     def own_tokens(self, entry):
         """What a block's content is (its own tokens), or a snapshot's (every token it is the state after)."""
         return entry.tokens if entry.is_snapshot else entry.tokens[entry.start:]
