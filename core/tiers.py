@@ -552,9 +552,13 @@ def _indexed_keys(d: Draft, namespace: str, data: bytes, cuts: tuple[tuple[int, 
         if length > covered:
             covered, found = length, entry_id
     held: dict[int, tuple[int, bytes]] = {}  # a held block's start: its stop and key, where data has its tokens
-    entry = d.entries[found] if found is not None else None
+    entry, past = (d.entries[found] if found is not None else None), 0
     while entry is not None:
-        if entry.block is not None and entry.length <= covered:
+        if entry.length > covered:  # past where data leaves the chain: walked, not read
+            past += 1
+            if past > len(cuts):  # a long chain beyond: walking to data's blocks costs more than hashing them
+                return []
+        elif entry.block is not None:
             held[entry.start] = (entry.length, entry.block)
         entry = d.entries[entry.parent] if entry.parent is not None else None
     keys = []

@@ -481,7 +481,8 @@ def test_a_publish_on_a_held_chain_keeps_only_the_blocks_it_adds_each_named_by_i
              (chat, (1, 2, 3, 9, 5, 6), 1),         # diverges inside the second block: one shared
              (chat, (1, 2, 3, 4, 9, 9, 9), 2),      # diverges at the second block's end: two shared
              (chat, (1, 9, 3, 4), 0),               # diverges inside the first: none shared
-             ((1,), (1, 2, 3), 0))                  # held only as a partial block [0, 1): not the block [0, 2)
+             ((1,), (1, 2, 3), 0),                  # held only as a partial block [0, 1): not the block [0, 2)
+             (tuple(range(1, 21)), (1, 2, 3, 9), 1))  # a long chain, left early: one shared
 
     def sizes(tokens):
         return tuple((5 * (stop - start), 5 * (stop - start)) for start, stop in spans(len(tokens), 2))
