@@ -790,6 +790,63 @@ class BlockedServiceMachine(TieredServiceMachine):
                 assert key in published_blocks and file.tokens == key.tokens
 
 
+class RamBlockedServiceMachine(BaseMachine):
+    """RAM alone with state in blocks of 4 tokens, as ``kvstate serve`` keeps it by default (no disk
+    tier, no idle rule, so no block is ever named by a write or an event): every reuse the longest
+    prefix RAM's chains serve, and the block tree, content, bytes and names checked as in the blocked
+    machine, under every policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: set[tuple] = set()
+        self.sessions: dict = {}
+        self.pins: list[tuple[str, tuple, int, float]] = []  # none are made: nothing is held for a pin
+
+    @initialize(policy=st.sampled_from(sorted(POLICIES)), hybrid=st.booleans(), partial=st.booleans())
+    def build(self, policy, hybrid, partial):
+        self.spec = HYBRID if hybrid else TRIMMABLE
+        self.partial = partial
+        self.service = self.make_service(policy=policy, block_tokens=BLOCK, partial_blocks=partial)
+
+    def ram_listing(self):
+        return [(ns, t, trim) for ns, t, _, trim in self.service.state.ram.index.items()]
+
+    def check_acquire(self, live, state):
+        reused = state.reused_tokens
+        assert state.caches.tokens == live.request.prompt[:reused]
+        assert reused == (self.expected_reuse(live.namespace, live.request.prompt) if live.request.reuses_prefix
+                          else 0)
+        live.caches = state.caches
+
+    def check_lookup(self, namespace, prompt, reused):
+        assert reused == self.expected_reuse(namespace, prompt)
+
+    def expected_reuse(self, namespace, prompt):
+        """The longest prefix of ``prompt`` RAM's index serves, and never more than was published."""
+        reused = longest_usable(self.ram_listing(), namespace, prompt)
+        assert reused <= longest_usable([(ns, t, True) for ns, t in self.published], namespace, prompt)
+        return reused
+
+    def check_publish(self, live, tokens, kept):
+        if kept:
+            self.published.add((live.namespace, tokens))
+
+    def after_pressure(self, limit):
+        pass
+
+    own_tokens = BlockedServiceMachine.own_tokens
+    live_pins = TieredServiceMachine.live_pins
+    serves_a_pin = TieredServiceMachine.serves_a_pin
+    ram_within_capacity_and_content_is_what_was_published = (
+        BlockedServiceMachine.ram_within_capacity_and_content_is_what_was_published)
+    blocks_form_a_tree_kept_leaf_first = BlockedServiceMachine.blocks_form_a_tree_kept_leaf_first
+    every_held_block_is_named_by_its_tokens_chain_hash = (
+        BlockedServiceMachine.every_held_block_is_named_by_its_tokens_chain_hash)
+    rams_policy_sets_aside_exactly_the_blocks_a_ram_block_extends = (
+        BlockedServiceMachine.rams_policy_sets_aside_exactly_the_blocks_a_ram_block_extends)
+    ram_holds_each_tokens_state_once = BlockedServiceMachine.ram_holds_each_tokens_state_once
+
+
 def saved_key_of(key):
     """The ``(namespace, path)`` a rejected file held: a whole prefix's tokens, or a block's path up to
     its start (every prefix through it is lost with it)."""
@@ -800,3 +857,7 @@ def saved_key_of(key):
 
 def test_blocked_machine():
     run_state_machine_as_test(BlockedServiceMachine, settings=CHECK_SETTINGS)
+
+
+def test_ram_blocked_machine():
+    run_state_machine_as_test(RamBlockedServiceMachine, settings=CHECK_SETTINGS)
