@@ -62,6 +62,9 @@ import numpy as np
 
 from kvstate.interpreters.mlx.device_memory import on_cuda
 
+# The parts that build models or services import bench/gpu.py, beside this file.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 
 def h2d() -> None:
     n = 512 << 20
@@ -135,7 +138,6 @@ def views() -> None:
 
 
 def disk_hit() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
     from kvstate import Request
     from kvstate.interpreters.mlx import caches as mlx_caches
@@ -168,7 +170,6 @@ def restore() -> None:
     from the page cache, each with and without moving the arrays to the device in bulk, timed to the
     end of the restored arrays' first GPU use, beside a plain read of the same file into a reused
     buffer."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters.mlx import caches as mlx_caches
     from kvstate.interpreters.mlx.disk_store import DiskStore
@@ -256,7 +257,6 @@ STEP_TOKENS = (16384, 32768)
 
 def restore_steps() -> None:
     """The served restore's steps, each timed on its own (second of two rounds; page cache warm)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters.mlx import caches as mlx_caches
     from kvstate.interpreters.mlx.device_memory import move_to_device
@@ -335,7 +335,6 @@ def restore_reuse() -> None:
     """MLX's read of a saved entry (8B geometry, each of :data:`REUSE_TOKENS`) three times in a row for
     each of :data:`REUSE_WAYS`: each read's time, and the bytes of MLX's buffer cache it took (the cache
     before the read less after: what it reused rather than allocated)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import disk
     from kvstate.interpreters.mlx.device_memory import move_to_device
 
@@ -429,7 +428,6 @@ def saved_conversation(tokens: int, new: int, geometry: str):
     """A model of ``geometry`` with random weights, a prompt of ``tokens + new + 1`` tokens, and a
     directory where a service kept its first ``tokens`` in blocks and wrote them to disk (fingerprinting
     the weights once: every service built after it would otherwise pull them to the host)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
 
     from kvstate import Request
@@ -448,7 +446,6 @@ def saved_conversation(tokens: int, new: int, geometry: str):
 
 
 def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import BatchKVCache
@@ -556,11 +553,11 @@ def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> N
               f"move {1e3 * (moved_at - start):.1f} ms, first GPU read {1e3 * (done - moved_at):.1f} ms", flush=True)
         del arrays
 
+
 def generator_steps(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
     """One long-lived ``BatchGenerator``, as a server keeps it: the next ``new`` tokens of a restored
     conversation, and every token of it with no cache (stock's miss), alternately; each ``next`` call
     timed to the first generated token."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu
     from mlx_lm.generate import BatchGenerator
 
