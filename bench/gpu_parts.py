@@ -45,7 +45,14 @@
   next 347 tokens of a restored 5,666-token conversation and all 6,013 tokens with no cache (stock's
   miss), each ``next`` call timed to the first generated token: where the served path's time goes.
 
-    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse|restored-step|generator-steps [--keep-freed-memory]
+- ``staged-restore``: the restart's fetch of a 5,666-token conversation kept in blocks (8B geometry), in a
+  freshly built service each round, alternately read into host memory and moved to the device
+  (:mod:`~kvstate.interpreters.mlx.chain_reads`) and read through the pinned staging buffer onto the device
+  (:mod:`~kvstate.interpreters.mlx.staged_reads`), MLX's buffer cache cleared before each as mlx-lm's
+  generator clears it after each prefill chunk; each fetch timed to its arrays' first GPU read, and the next
+  347 tokens' logits on both compared (the same caches either way).
+
+    python bench/gpu_parts.py h2d|views|disk-hit|restore|restore-steps|ram-hit|restore-reuse|restored-step|generator-steps|staged-restore [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -598,6 +605,43 @@ def generator_steps(tokens: int = 5666, new: int = 347, geometry: str = "8b") ->
     generator.close()
 
 
+def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> None:
+    import gpu
+
+    from kvstate import Request
+    from kvstate.interpreters.mlx import caches as mlx_caches
+    from kvstate.interpreters.mlx import staged_reads
+
+    model, config, prompt, directory = saved_conversation(tokens, new, geometry)
+    pinned, logits = staged_reads.cuda_staging(), {}
+    print(f"pinned staging: {'yes' if pinned is not None else 'none (no CUDA device)'}", flush=True)
+    for i in range(8):
+        way = "staged" if i % 2 else "host"
+        staged_reads.cuda_staging = (lambda: pinned) if way == "staged" else (lambda: None)
+        service = gpu.service_for(model, config, directory)
+        request = Request(prompt[:tokens + new], 16)
+        mx.clear_cache()
+        start = time.perf_counter()
+        state = service.acquire(request, "bench")
+        arrays = mlx_caches.arrays_of(state.caches)
+        mx.eval(arrays)
+        fetched = time.perf_counter()
+        mx.eval([mx.sum(a) for a in arrays])
+        read = time.perf_counter()
+        out = model(mx.array([list(prompt[tokens:tokens + new])]), cache=state.caches)[0, -1].astype(mx.float32)
+        mx.eval(out)
+        same = "" if way not in logits else f", logits the same as the last {way} round's: {mx.array_equal(out, logits[way]).item()}"
+        other = "host" if way == "staged" else "staged"
+        if other in logits:
+            same += f", the {other} round's: {mx.allclose(out, logits[other]).item()}"
+        logits[way] = out
+        print(f"round {i} ({way}): fetch {1e3 * (fetched - start):.1f} ms ({state.source.value}, "
+              f"{state.reused_tokens} tokens, {sum(a.nbytes for a in arrays) / 2**20:.0f} MiB), first GPU read "
+              f"{1e3 * (read - fetched):.1f} ms{same}", flush=True)
+        service.release(request)
+        service.close()
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -605,7 +649,7 @@ if __name__ == "__main__":
 
     parts = {"h2d": h2d, "views": views, "disk-hit": disk_hit, "restore": restore, "restore-steps": restore_steps,
              "ram-hit": ram_hit, "restore-reuse": restore_reuse,
-             "restored-step": restored_step, "generator-steps": generator_steps}
+             "restored-step": restored_step, "generator-steps": generator_steps, "staged-restore": staged_restore}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=parts)
     parser.add_argument("--keep-freed-memory", action="store_true",

@@ -2,7 +2,9 @@
 hold exactly what was cut (plain and quantised KV, blocks read and blocks held in RAM mixed, trimmed
 inside the last block) and share nothing with the RAM blocks; a block that fails its header, its
 name or its hash is named, moved aside and never restored; an I/O error is tried once more and then
-leaves the files as they are."""
+leaves the files as they are. Each holds for both readers: into host memory, and through a reused
+staging buffer onto the device (the CUDA path, run here with the host's staging), whole and a window
+at a time; a device that refuses the staging's copy leaves the read to the host's way."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvstate.core.blocks import block_names
 from kvstate.effects.completions import FailureReason
-from kvstate.interpreters.mlx import chain_reads, file_io
+from kvstate.interpreters.mlx import chain_reads, file_io, staged_reads
 from kvstate.interpreters.mlx.blocks import assemble, assemble_joined, cut
 from kvstate.interpreters.mlx.chain_reads import PartRejected
 from kvstate.interpreters.mlx.disk_store import DiskStore, StoreIdentity
@@ -40,9 +42,24 @@ def quantized_caches() -> list:
     return [cache]
 
 
+REAL_CUDA_STAGING = staged_reads.cuda_staging
+
+
+@pytest.fixture(autouse=True, params=["host", "staged", "staged in windows"])
+def reader(request, monkeypatch):
+    """Which way the stores of a test read chains: into host memory, or through a staging buffer onto
+    the device (whole, or a window of a few tensors at a time)."""
+    if request.param != "host":
+        staging = staged_reads.HostStaging()
+        monkeypatch.setattr(staged_reads, "cuda_staging", lambda: staging)
+        if request.param == "staged in windows":
+            monkeypatch.setattr(staged_reads, "WINDOW_BYTES", 600)
+    return request.param
+
+
 def saved(tmp_path, caches):
     """A store holding every block of ``caches`` over TOKENS; the block names and the cut blocks."""
-    store = DiskStore(tmp_path, StoreIdentity("test", "none", "chain-reads"))
+    store = DiskStore(tmp_path, StoreIdentity("test", "none", "chain-reads"), to_device=True)
     names = block_names("n", TOKENS, SIZE)
     classes = [type(cache).__name__ for cache in caches]
     blocks = [cut(caches, name.start, name.start + len(name.tokens)) for name in names]
@@ -165,3 +182,39 @@ def test_a_scattered_read_fills_its_pieces_in_order_and_says_where_the_file_ende
         past = [np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)]
         assert file_io.read_pieces(file, past, 190) == 10  # the file ends inside the second piece
         assert past[0].tobytes() == bytes(range(190, 198)) and past[1][:2].tobytes() == bytes((198, 199))
+
+
+def test_a_device_that_refuses_the_staging_leaves_the_read_to_the_host(tmp_path, monkeypatch):
+    caches = kv_caches()
+    store, names, _ = saved(tmp_path, caches)
+    refusing, host_reads = staged_reads.HostStaging(), []
+
+    def copy_in(device, at, host):
+        raise OSError("cuMemcpyHtoD failed with CUDA error 999")
+    refusing.copy_in = copy_in
+    # The process's own staging, on a device whose driver is reached but refuses the copy.
+    monkeypatch.setattr(staged_reads, "cuda_staging", REAL_CUDA_STAGING)
+    monkeypatch.setattr(staged_reads.device_memory, "driver", lambda: object())
+    monkeypatch.setattr(staged_reads, "_staging", refusing)
+    monkeypatch.setattr(staged_reads, "_refused", False)
+    real = chain_reads.read_chain
+    monkeypatch.setattr(chain_reads, "read_chain", lambda parts, verify=True: host_reads.append(1) or real(parts, verify))
+    for _ in range(2):  # refused once: the second read goes the host's way without asking the device
+        read = assemble_joined(store.read_chain(names), [KVCache(), KVCache()])
+        assert mx.array_equal(read[1].values[..., :len(TOKENS), :], caches[1].values[..., :len(TOKENS), :])
+    assert host_reads == [1, 1] and staged_reads.cuda_staging() is None and store.rejected == []
+
+
+def test_a_staging_whose_copy_lands_elsewhere_is_refused_before_any_read(tmp_path, monkeypatch):
+    class Misplacing(staged_reads.HostStaging):  # copies one byte short of where it was asked
+        def copy_in(self, device, at, host):
+            return super().copy_in(device, at - 1, host)
+    monkeypatch.setattr(staged_reads, "cuda_staging", REAL_CUDA_STAGING)
+    monkeypatch.setattr(staged_reads.device_memory, "driver", lambda: object())
+    monkeypatch.setattr(staged_reads, "_staging", None)
+    monkeypatch.setattr(staged_reads, "_refused", False)
+    monkeypatch.setattr(staged_reads, "PinnedStaging", lambda driver: Misplacing())
+    assert staged_reads.cuda_staging() is None
+    monkeypatch.setattr(staged_reads, "_refused", False)
+    monkeypatch.setattr(staged_reads, "PinnedStaging", lambda driver: staged_reads.HostStaging())
+    assert isinstance(staged_reads.cuda_staging(), staged_reads.HostStaging)  # a faithful one is taken

@@ -117,11 +117,11 @@ def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[s
             if isinstance(part, HeldPart):
                 target[:, start:start + width] = held[index][name].reshape(len(target), width)
                 continue
-            failure = _read_span(part, name, [target[k, start:start + width] for k in range(len(target))], verify)
+            failure = read_span(part, name, [target[k, start:start + width] for k in range(len(target))], verify)
             if failure is not None:
                 return PartRejected(index, failure)
         return None
-    failures = [f for f in framing.workers().map(fill, _tasks(parts, table)) if f is not None]
+    failures = [f for f in framing.workers().map(fill, read_tasks(parts, table)) if f is not None]
     if failures:
         raise failures[0]  # the first block that failed, in chain order
     return arrays
@@ -132,7 +132,7 @@ def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[s
 TASK_BYTES = 8 << 20
 
 
-def _tasks(parts: list[SavedPart | HeldPart], table: dict[str, tuple[str, list[int]]]) -> list[tuple[int, list[str]]]:
+def read_tasks(parts: list[SavedPart | HeldPart], table: dict[str, tuple[str, list[int]]]) -> list[tuple[int, list[str]]]:
     """The chain read's tasks, in chain order: each a block and some of its tensors, of about
     ``TASK_BYTES`` together."""
     tasks = []
@@ -199,7 +199,7 @@ def unfilled_arrays(table: dict[str, tuple[str, list[int]]]) -> dict[str, mx.arr
     return arrays
 
 
-def _read_span(part: SavedPart, name: str, pieces: list[np.ndarray], verify: bool) -> RejectedFile | None:
+def read_span(part: SavedPart, name: str, pieces: list[np.ndarray], verify: bool) -> RejectedFile | None:
     """Tensor ``name`` of the saved block ``part`` read into ``pieces`` (its rows in the joined array)
     and checked against its recorded hash; why not, if it could not be."""
     want = sum(len(piece) for piece in pieces)

@@ -4,7 +4,9 @@ MLX's CUDA backend keeps an array built from host data (``mx.array`` of a buffer
 managed memory that stays on the host until a kernel reads it, and that first kernel pulls it over
 a page fault at a time: 1.4-3.7 GB/s end to end on an H200 host whose bus carries 55 GB/s
 (bench/README.md). :func:`move_to_device` asks the CUDA driver to migrate the arrays' pages in bulk
-(``cuMemPrefetchAsync``) and waits for it, so the first use finds them on the device.
+(``cuMemPrefetchAsync``) and waits for it, so the first use finds them on the device. :func:`driver`
+also gives :mod:`~kvstate.interpreters.mlx.staged_reads` the calls that pin a host buffer and copy
+from it into device memory.
 
 It does nothing where there is no CUDA device (on Apple silicon the memory is already shared; the CPU
 backend has no device). A driver that cannot be reached, or a call that fails, leaves the arrays
@@ -56,6 +58,9 @@ class _Driver:
             old.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             self._prefetch = lambda pointer, size: old(pointer, size, device.value, None)
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
 
     @staticmethod
     def _check(result: int, call: str) -> None:
@@ -68,27 +73,56 @@ class _Driver:
             self._check(self._prefetch(pointer, size), "cuMemPrefetchAsync")
         self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
 
+    def pin(self, pointer: int, size: int) -> None:
+        """Page-lock ``size`` host bytes at ``pointer``, so copies from them run at the bus's pace; they
+        must be unpinned before that memory is freed."""
+        self._check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self._check(self.lib.cuMemHostRegister_v2(pointer, size, 0), "cuMemHostRegister")
+
+    def unpin(self, pointer: int) -> None:
+        self._check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self._check(self.lib.cuMemHostUnregister(pointer), "cuMemHostUnregister")
+
+    def copy_in(self, device_pointer: int, host_pointer: int, size: int) -> None:
+        """Copy ``size`` bytes from the host to device memory, returning once they are there."""
+        self._check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self._check(self.lib.cuMemcpyHtoD_v2(device_pointer, host_pointer, size), "cuMemcpyHtoD")
+
 
 _driver: _Driver | None = None
 _unavailable = False
 
 
+def driver() -> _Driver | None:
+    """The CUDA driver's calls on MLX's device, or None where there is no CUDA device or the driver
+    cannot be reached."""
+    global _driver, _unavailable
+    if _unavailable or not on_cuda():
+        return None
+    if _driver is None:
+        try:
+            _driver = _Driver()
+        except (OSError, AttributeError, TypeError, ValueError):
+            _unavailable = True
+            return None
+    return _driver
+
+
 def move_to_device(arrays: Iterable[mx.array]) -> bool:
     """Migrate the memory of ``arrays`` (evaluated here) to the CUDA device and wait until it is there;
     True when it was moved, False where there is no CUDA device or the driver refused."""
-    global _driver, _unavailable
-    if _unavailable or not on_cuda():
+    global _unavailable
+    found = driver()
+    if found is None:
         return False
     arrays = [a for a in arrays if a.nbytes]
     mx.eval(arrays)
     try:
-        if _driver is None:
-            _driver = _Driver()
         spans = []
         for a in arrays:
             view = np.frombuffer(memoryview(a), dtype=np.uint8)
             spans.append((view.ctypes.data, view.nbytes))
-        _driver.move(spans)
+        found.move(spans)
     except (OSError, AttributeError, TypeError, ValueError):
         _unavailable = True  # a driver that refuses once refuses again: stop asking
         return False

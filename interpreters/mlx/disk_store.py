@@ -43,7 +43,7 @@ from kvstate.core.blocks import saved_chains
 from kvstate.core.state import OBJECTS
 from kvstate.effects.completions import FailureReason, SavedBlock, SavedCheckpoint, SavedRecord
 from kvstate.effects.effects import BlockName, CheckpointMeta, DiskKey, SnapshotName
-from kvstate.interpreters.mlx import chain_reads, file_io, framing
+from kvstate.interpreters.mlx import chain_reads, file_io, framing, staged_reads
 from kvstate.interpreters.mlx.caches import codec_named, codec_of
 from kvstate.interpreters.mlx.chain_reads import HeldPart, PartRejected, SavedPart
 from kvstate.interpreters.mlx.device_memory import move_to_device, on_cuda
@@ -716,16 +716,27 @@ class DiskStore:
                 parts.append(SavedPart(file, path.name, tensors, described.file_bytes - data,
                                        json.loads(metadata["kvstate.hashes"]), len(part.tokens)))
             try:
-                arrays = chain_reads.read_chain(parts, self.verify)
+                arrays, on_device = self._read_parts(parts)
             except PartRejected as failure:
                 if failure.index in opened:
                     self._reject(*opened[failure.index], failure.rejected)
                 raise
         for path, _ in opened.values():
             _touch(path)
-        if self.to_device:
+        if self.to_device and not on_device:
             move_to_device(arrays.values())
         return _block_of(arrays, layers)
+
+    def _read_parts(self, parts: list[SavedPart | HeldPart]) -> tuple[dict[str, mx.array], bool]:
+        """A chain's joined arrays, and whether they were read onto the CUDA device: through the pinned
+        staging there (:mod:`~kvstate.interpreters.mlx.staged_reads`), else into host memory."""
+        staging = staged_reads.cuda_staging() if self.to_device else None
+        if staging is not None:
+            try:
+                return staged_reads.read_chain(parts, staging, self.verify), True
+            except (OSError, RuntimeError, TypeError, ValueError):  # the driver or MLX refused the staging
+                staged_reads.refused()  # (read errors and bad blocks come as PartRejected)
+        return chain_reads.read_chain(parts, self.verify), False
 
     def read_snapshot(self, name: SnapshotName) -> list:
         """The caches of the snapshot ``name`` names (None for the layers blocks hold);
