@@ -110,10 +110,12 @@ def fingerprint_once() -> None:
     interpreter.model_fingerprint = once
 
 
-def service_for(model, config, directory):
+def service_for(model, config, directory, block_tokens: int | None = None):
+    """A service on ``model`` with 64 GiB of RAM and a disk tier in ``directory``; state kept whole, or
+    in blocks of ``block_tokens`` (as ``kvstate serve`` keeps it)."""
     from kvstate import KvCacheService
     return KvCacheService.for_mlx(model, config=config, name="bench", ram_bytes=64 << 30, disk_dir=directory,
-                                  disk_bytes=512 << 30)
+                                  disk_bytes=512 << 30, block_tokens=block_tokens)
 
 
 #: Requests whose decisions are timed (each the core steps of its acquire, publish and release, and

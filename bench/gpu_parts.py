@@ -67,6 +67,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from kvstate.core.blocks import BLOCK_TOKENS  # the conversations' parts keep state as kvstate serve does
 from kvstate.interpreters.mlx.device_memory import on_cuda
 
 # The parts that build models or services import bench/gpu.py, beside this file.
@@ -442,7 +443,7 @@ def saved_conversation(tokens: int, new: int, geometry: str):
     directory = tempfile.mkdtemp()
     model, config = gpu.build(geometry)
     prompt = gpu.prompt_of(tokens + new + 1, salt=11)
-    service = gpu.service_for(model, config, directory)
+    service = gpu.service_for(model, config, directory, BLOCK_TOKENS)
     request = Request(prompt[:tokens], 16)
     state = service.acquire(request, "bench")
     gpu.prefill(model, state.caches, prompt[:tokens], chunk=2048)
@@ -494,7 +495,7 @@ def restored_step(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> N
     modes = ("as restored", "merged into a batch", "through BatchGenerator")
     for i in range(6):
         mode = modes[i % 3]
-        service = gpu.service_for(model, config, directory)
+        service = gpu.service_for(model, config, directory, BLOCK_TOKENS)
         request = Request(prompt, 16)
         start = time.perf_counter()
         state = service.acquire(request, "bench")
@@ -577,7 +578,7 @@ def generator_steps(tokens: int = 5666, new: int = 347, geometry: str = "8b") ->
         restored = i % 2 == 0
         caches, fetched = None, 0.0
         if restored:
-            service = gpu.service_for(model, config, directory)
+            service = gpu.service_for(model, config, directory, BLOCK_TOKENS)
             request = Request(prompt[:tokens + new], 16)
             start = time.perf_counter()
             state = service.acquire(request, "bench")
@@ -613,14 +614,24 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
     from kvstate.interpreters.mlx import staged_reads
 
     model, config, prompt, directory = saved_conversation(tokens, new, geometry)
-    pinned, logits = staged_reads.cuda_staging(), {}
+    pinned, logits, spent = staged_reads.cuda_staging(), {}, {}
     print(f"pinned staging: {'yes' if pinned is not None else 'none (no CUDA device)'}", flush=True)
+    if pinned is not None:  # the staging's own steps timed apart: the device's memory, and the driver's copies
+        for step in ("device", "copy_in"):
+            def timed_step(*args, _call=getattr(pinned, step), _step=step):
+                start = time.perf_counter()
+                try:
+                    return _call(*args)
+                finally:
+                    spent[_step] = spent.get(_step, 0.0) + time.perf_counter() - start
+            setattr(pinned, step, timed_step)
     for i in range(8):
         way = "staged" if i % 2 else "host"
         staged_reads.cuda_staging = (lambda: pinned) if way == "staged" else (lambda: None)
-        service = gpu.service_for(model, config, directory)
+        service = gpu.service_for(model, config, directory, BLOCK_TOKENS)
         request = Request(prompt[:tokens + new], 16)
         mx.clear_cache()
+        spent.clear()
         start = time.perf_counter()
         state = service.acquire(request, "bench")
         arrays = mlx_caches.arrays_of(state.caches)
@@ -637,7 +648,8 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
         logits[way] = out
         print(f"round {i} ({way}): fetch {1e3 * (fetched - start):.1f} ms ({state.source.value}, "
               f"{state.reused_tokens} tokens, {sum(a.nbytes for a in arrays) / 2**20:.0f} MiB), first GPU read "
-              f"{1e3 * (read - fetched):.1f} ms{same}", flush=True)
+              f"{1e3 * (read - fetched):.1f} ms{same}"
+              + "".join(f"; {step} {1e3 * t:.1f} ms" for step, t in spent.items()), flush=True)
         service.release(request)
         service.close()
 
