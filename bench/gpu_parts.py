@@ -625,6 +625,28 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
                 finally:
                     spent[_step] = spent.get(_step, 0.0) + time.perf_counter() - start
             setattr(pinned, step, timed_step)
+        marks = {}
+        for step in ("device", "copy_in"):  # when each ended, so the reads (before the first copy) and the join
+            def marked(*args, _call=getattr(pinned, step), _step=step):  # (after the last) are told apart
+                marks.setdefault(_step + " start", time.perf_counter())
+                try:
+                    return _call(*args)
+                finally:
+                    marks[_step + " end"] = time.perf_counter()
+            setattr(pinned, step, marked)
+        reader = staged_reads.read_chain
+
+        def timed_read(*args, **kwargs):
+            marks.clear()
+            marks["read start"] = time.perf_counter()
+            try:
+                return reader(*args, **kwargs)
+            finally:
+                marks["read end"] = time.perf_counter()
+                spent["reads and hashes"] = marks["copy_in start"] - marks["device end"]
+                spent["join"] = marks["read end"] - marks["copy_in end"]
+                spent["read_chain"] = marks["read end"] - marks["read start"]
+        staged_reads.read_chain = timed_read
     for i in range(8):
         way = "staged" if i % 2 else "host"
         staged_reads.cuda_staging = (lambda: pinned) if way == "staged" else (lambda: None)
@@ -652,6 +674,17 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
               + "".join(f"; {step} {1e3 * t:.1f} ms" for step, t in spent.items()), flush=True)
         service.release(request)
         service.close()
+    if pinned is not None:  # the driver's copy alone, from the pinned buffer into device memory, three times
+        size = sum(a.nbytes for a in arrays)
+        host = pinned.host(size)
+        for _ in range(3):
+            device = pinned.device(size)
+            start = time.perf_counter()
+            pinned.copy_in(device, 0, host[:size])
+            took = time.perf_counter() - start
+            print(f"copy of {size / 2**20:.0f} MiB into device memory: {1e3 * took:.1f} ms "
+                  f"({size / took / 1e9:.1f} GB/s)", flush=True)
+            del device
 
 
 if __name__ == "__main__":
