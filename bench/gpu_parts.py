@@ -616,36 +616,34 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
     model, config, prompt, directory = saved_conversation(tokens, new, geometry)
     pinned, logits, spent = staged_reads.cuda_staging(), {}, {}
     print(f"pinned staging: {'yes' if pinned is not None else 'none (no CUDA device)'}", flush=True)
-    if pinned is not None:  # the staging's own steps timed apart: the device's memory, and the driver's copies
-        for step in ("device", "copy_in"):
-            def timed_step(*args, _call=getattr(pinned, step), _step=step):
+    if pinned is not None:  # the staging's own steps timed apart, by when each starts and ends
+        marks: list[tuple[str, float, float]] = []
+        for step in ("host", "window", "copy_in"):
+            def marked(*args, _call=getattr(pinned, step), _step=step):
                 start = time.perf_counter()
                 try:
                     return _call(*args)
                 finally:
-                    spent[_step] = spent.get(_step, 0.0) + time.perf_counter() - start
-            setattr(pinned, step, timed_step)
-        marks = {}
-        for step in ("device", "copy_in"):  # when each ended, so the reads (before the first copy) and the join
-            def marked(*args, _call=getattr(pinned, step), _step=step):  # (after the last) are told apart
-                marks.setdefault(_step + " start", time.perf_counter())
-                try:
-                    return _call(*args)
-                finally:
-                    marks[_step + " end"] = time.perf_counter()
+                    marks.append((_step, start, time.perf_counter()))
             setattr(pinned, step, marked)
         reader = staged_reads.read_chain
 
         def timed_read(*args, **kwargs):
+            """The chain read, split: its reads and hashes (from each window's buffers to its copy), the
+            driver's copies, the device window's memory, and the rest (the joins on the device)."""
             marks.clear()
-            marks["read start"] = time.perf_counter()
+            start = time.perf_counter()
             try:
                 return reader(*args, **kwargs)
             finally:
-                marks["read end"] = time.perf_counter()
-                spent["reads and hashes"] = marks["copy_in start"] - marks["device end"]
-                spent["join"] = marks["read end"] - marks["copy_in end"]
-                spent["read_chain"] = marks["read end"] - marks["read start"]
+                total = time.perf_counter() - start
+                ready = [end for step, _, end in marks if step == "window"]
+                copies = [(begin, end) for step, begin, end in marks if step == "copy_in"]
+                spent["reads and hashes"] = sum(begin - at for at, (begin, _) in zip(ready, copies))
+                spent["copies"] = sum(end - begin for begin, end in copies)
+                spent["windows"] = sum(end - begin for step, begin, end in marks if step == "window")
+                spent["joins and the rest"] = total - sum(spent.values())
+                spent["read_chain"] = total
         staged_reads.read_chain = timed_read
     for i in range(8):
         way = "staged" if i % 2 else "host"
@@ -674,17 +672,16 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
               + "".join(f"; {step} {1e3 * t:.1f} ms" for step, t in spent.items()), flush=True)
         service.release(request)
         service.close()
-    if pinned is not None:  # the driver's copy alone, from the pinned buffer into device memory, three times
+    if pinned is not None:  # the driver's copy alone, from the pinned buffer into the device's window, three times
         size = sum(a.nbytes for a in arrays)
         host = pinned.host(size)
+        pinned.window(size)
         for _ in range(3):
-            device = pinned.device(size)
             start = time.perf_counter()
-            pinned.copy_in(device, 0, host[:size])
+            pinned.copy_in(host[:size])
             took = time.perf_counter() - start
-            print(f"copy of {size / 2**20:.0f} MiB into device memory: {1e3 * took:.1f} ms "
+            print(f"copy of {size / 2**20:.0f} MiB into the device's window: {1e3 * took:.1f} ms "
                   f"({size / took / 1e9:.1f} GB/s)", flush=True)
-            del device
 
 
 if __name__ == "__main__":

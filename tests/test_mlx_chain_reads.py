@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -170,7 +171,6 @@ def test_a_short_read_is_never_taken_for_the_block(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("scattered", [True, False], ids=["preadv", "no preadv"])
 def test_a_scattered_read_fills_its_pieces_in_order_and_says_where_the_file_ended(tmp_path, monkeypatch, scattered):
-    import numpy as np
     if not scattered:
         monkeypatch.delattr(file_io.os, "preadv", raising=False)
     path = tmp_path / "data"
@@ -189,7 +189,7 @@ def test_a_device_that_refuses_the_staging_leaves_the_read_to_the_host(tmp_path,
     store, names, _ = saved(tmp_path, caches)
     refusing, host_reads = staged_reads.HostStaging(), []
 
-    def copy_in(device, at, host):
+    def copy_in(host):
         raise OSError("cuMemcpyHtoD failed with CUDA error 999")
     refusing.copy_in = copy_in
     # The process's own staging, on a device whose driver is reached but refuses the copy.
@@ -206,9 +206,9 @@ def test_a_device_that_refuses_the_staging_leaves_the_read_to_the_host(tmp_path,
 
 
 def test_a_staging_whose_copy_lands_elsewhere_is_refused_before_any_read(tmp_path, monkeypatch):
-    class Misplacing(staged_reads.HostStaging):  # copies one byte short of where it was asked
-        def copy_in(self, device, at, host):
-            return super().copy_in(device, at - 1, host)
+    class Misplacing(staged_reads.HostStaging):  # copies one byte past where it was asked
+        def copy_in(self, host):
+            return super().copy_in(np.concatenate([np.zeros(1, np.uint8), host[:-1]]))
     monkeypatch.setattr(staged_reads, "cuda_staging", REAL_CUDA_STAGING)
     monkeypatch.setattr(staged_reads.device_memory, "driver", lambda: object())
     monkeypatch.setattr(staged_reads, "_staging", None)

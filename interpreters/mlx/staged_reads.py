@@ -5,11 +5,16 @@ chain read straight into them (:mod:`~kvstate.interpreters.mlx.chain_reads`) pay
 every restore, then a migration to the device (bench/README.md, "Which step of a restore cannot reach
 the raw read's pace on the GPU host"). Here each saved block's tensors are read as they lie in its
 file (one contiguous read a tensor, no scatter) into a host buffer pinned once and reused, and hashed
-there while in cache; the buffer is copied to the device by the driver at the bus's pace, a window at a
-time, and the layers are joined on the device, where fresh memory costs little. Blocks already in RAM
-join as they are.
+there while in cache; the driver copies it, at the bus's pace, into a window of device memory kept for
+the purpose (managed memory resident on the device, whose address the host may hand the driver), and
+the layers are joined on the device from there, a window of at most :data:`WINDOW_BYTES` at a time.
+Blocks already in RAM join as they are.
 
-The steps are the same with :class:`HostStaging` (a reused plain buffer, copied into an MLX array), the
+The device's window is kept because MLX hands out a device array's address only by first moving the
+array into managed memory (a copy of every byte, at a fraction of the bus's pace): a fresh one each
+restore would cost that each time.
+
+The steps are the same with :class:`HostStaging` (reused plain buffers, copied into MLX arrays), the
 staging a machine without CUDA has: what the tests run there.
 """
 
@@ -26,38 +31,49 @@ from kvstate.interpreters.mlx import chain_reads, device_memory, framing
 from kvstate.interpreters.mlx.chain_reads import HeldPart, PartRejected, SavedPart
 from kvstate.interpreters.mlx.framing import DTYPE_BYTES, MX_DTYPE
 
-#: The most host bytes a read stages before copying them to the device (a chain larger than this is read
-#: a window at a time); the pinned buffer is never larger, unless one task of a read is.
-WINDOW_BYTES = 512 << 20
+#: The most bytes a read stages at once (a chain larger than this is read a window at a time): the size
+#: of the pinned host buffer and of the device's window, unless one task of a read is larger.
+WINDOW_BYTES = 256 << 20
 
 
 class HostStaging:
-    """A reused host buffer whose bytes reach MLX as a copy (``mx.array``): the staging of a machine
-    without CUDA. One read at a time uses it (:attr:`lock`)."""
+    """Reused buffers whose bytes reach MLX as a copy (``mx.array``): the staging of a machine without
+    CUDA. One read at a time uses it (:attr:`lock`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._buffer = np.empty(0, dtype=np.uint8)
+        self._window: mx.array | None = None
 
     def host(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least ``nbytes``, reused from the last read where it is large enough."""
+        """A host buffer of at least ``nbytes``, reused from the last read where it is large enough."""
         if len(self._buffer) < nbytes:
             self._buffer = np.empty(nbytes, dtype=np.uint8)
         return self._buffer
 
-    def device(self, nbytes: int) -> mx.array:
-        """Memory for ``nbytes`` staged bytes where the model runs; written by :meth:`copy_in`."""
-        return mx.zeros((nbytes,), dtype=mx.uint8)
+    def window(self, nbytes: int) -> mx.array:
+        """Memory for ``nbytes`` staged bytes where the model runs (at least that many), reused from the
+        last read where it is large enough; written by :meth:`copy_in`."""
+        if self._window is None or self._window.size < nbytes:
+            self._window = self._new_window(nbytes)
+        return self._window
 
-    def copy_in(self, device: mx.array, at: int, host: np.ndarray) -> mx.array:
-        """``device`` with ``host``'s bytes from byte ``at``."""
-        device[at:at + len(host)] = mx.array(host)
-        return device
+    def _new_window(self, nbytes: int) -> mx.array:
+        window = mx.zeros((nbytes,), dtype=mx.uint8)
+        mx.eval(window)
+        return window
+
+    def copy_in(self, host: np.ndarray) -> mx.array:
+        """The window, holding ``host``'s bytes from its start: written in place, as the driver writes
+        the device's (what was made from the window before must have been copied out of it)."""
+        np.asarray(self._window)[:len(host)] = host
+        return self._window
 
 
 class PinnedStaging(HostStaging):
-    """A host buffer page-locked once (and again only when it grows), copied into device memory by the
-    CUDA driver (``cuMemcpyHtoD``), at the bus's pace and with no page faults on either side."""
+    """A host buffer page-locked once (and again only when it grows), copied by the CUDA driver
+    (``cuMemcpyHtoD``) into a window of managed memory kept on the device: at the bus's pace, with no
+    page faults on either side."""
 
     def __init__(self, driver) -> None:
         super().__init__()
@@ -73,18 +89,20 @@ class PinnedStaging(HostStaging):
             self._pinned = self._buffer.ctypes.data
         return self._buffer
 
-    def device(self, nbytes: int) -> mx.array:
-        device = mx.zeros((nbytes,), dtype=mx.uint8)  # written by a kernel: its pages are on the device
-        mx.eval(device)
-        return device
+    def _new_window(self, nbytes: int) -> mx.array:
+        self._window = None  # the old window's memory goes back to MLX first
+        window = mx.zeros((nbytes,), dtype=mx.uint8)
+        mx.eval(window)
+        self._address = np.frombuffer(memoryview(window), dtype=np.uint8).ctypes.data  # moves it to managed memory
+        device_memory.move_to_device([window])  # and its pages back onto the device, where they stay
+        return window
 
-    def copy_in(self, device: mx.array, at: int, host: np.ndarray) -> mx.array:
-        target = np.frombuffer(memoryview(device), dtype=np.uint8).ctypes.data
-        self._driver.copy_in(target + at, host.ctypes.data, len(host))
-        return device
+    def copy_in(self, host: np.ndarray) -> mx.array:
+        self._driver.copy_in(self._address, host.ctypes.data, len(host))
+        return self._window
 
     def _release(self) -> None:
-        """Unpin and unmap the buffer (a pinned range must be unpinned before its memory goes)."""
+        """Unpin and unmap the host buffer (a pinned range must be unpinned before its memory goes)."""
         if self._pinned is not None:
             self._driver.unpin(self._pinned)
             self._pinned = None
@@ -125,8 +143,9 @@ def _copies_faithfully(staging: HostStaging) -> bool:
         with staging.lock:
             host = staging.host(len(pattern))
             host[:len(pattern)] = pattern
-            device = staging.copy_in(staging.device(len(pattern) + 8), 8, host[:len(pattern)])
-            return bool(mx.array_equal(device[8:], mx.array(pattern)).item())
+            staging.window(len(pattern))
+            window = staging.copy_in(host[:len(pattern)])
+            return bool(mx.array_equal(window[:len(pattern)], mx.array(pattern)).item())
     except (OSError, RuntimeError, TypeError, ValueError):
         return False
 
@@ -145,43 +164,53 @@ def read_chain(parts: list[SavedPart | HeldPart], staging: HostStaging, verify: 
     the first block that could not be read or failed its hash (nothing is returned then)."""
     table = chain_reads.joined_table(parts)
     tasks = [task for task in chain_reads.read_tasks(parts, table) if isinstance(parts[task[0]], SavedPart)]
-    # Each saved tensor's place in the staged bytes: task after task, a task's tensors one after another.
-    places: dict[tuple[int, str], tuple[int, int]] = {}
-    windows, total, window_start = [], 0, 0
+    windows: list[list[tuple[int, list[str]]]] = []  # consecutive tasks of at most WINDOW_BYTES (or one task)
+    size = WINDOW_BYTES
     for index, names in tasks:
-        size = sum(_nbytes(table[name], parts[index].positions) for name in names)
-        if total + size - window_start > WINDOW_BYTES and total > window_start:
-            windows.append((window_start, total))
-            window_start = total
-        for name in names:
-            places[index, name] = (total, _nbytes(table[name], parts[index].positions))
-            total += places[index, name][1]
-    if total > window_start:
-        windows.append((window_start, total))
+        task_bytes = sum(_nbytes(table[name], parts[index].positions) for name in names)
+        if size + task_bytes > WINDOW_BYTES:
+            windows.append([])
+            size = 0
+        windows[-1].append((index, names))
+        size += task_bytes
+    # Each tensor's pieces in chain order: runs of consecutive saved blocks joined on the device, a window
+    # at a time, and the RAM blocks' arrays; joined once more where there is more than one.
+    pieces: dict[str, list[tuple[int, mx.array]]] = {name: [] for name in table}
+    for index, part in enumerate(parts):
+        if isinstance(part, HeldPart):
+            for name in table:
+                pieces[name].append((index, part.arrays[name]))
     with staging.lock:
-        device = staging.device(total) if total else None
-        host = staging.host(max((stop - start for start, stop in windows), default=0))
-        done = 0
-        for start, stop in windows:
-            window = [task for task in tasks if start <= places[task[0], task[1][0]][0] < stop]
-
-            def fill(task: tuple[int, list[str]], start=start) -> PartRejected | None:
-                index, names = task
-                part = parts[index]
+        for window in windows:
+            places: dict[tuple[int, str], tuple[int, int]] = {}
+            at = 0
+            for index, names in window:
                 for name in names:
-                    at, size = places[index, name]
-                    failure = chain_reads.read_span(part, name, [host[at - start:at - start + size]], verify)
+                    places[index, name] = (at, _nbytes(table[name], parts[index].positions))
+                    at += places[index, name][1]
+            host = staging.host(at)
+            staging.window(at)
+
+            def fill(task: tuple[int, list[str]]) -> PartRejected | None:
+                index, names = task
+                for name in names:
+                    start, length = places[index, name]
+                    failure = chain_reads.read_span(parts[index], name, [host[start:start + length]], verify)
                     if failure is not None:
                         return PartRejected(index, failure)
                 return None
             failures = [f for f in framing.workers().map(fill, window) if f is not None]
             if failures:
                 raise failures[0]  # the first block that failed, in chain order
-            device = staging.copy_in(device, start, host[:stop - start])
-            done = stop
-        assert done == total
-        arrays = {name: _joined(parts, places, device, name, dtype, shape) for name, (dtype, shape) in table.items()}
-        mx.eval(list(arrays.values()))
+            runs = _runs(parts, places, staging.copy_in(host[:at]), table)
+            mx.eval([array for _, _, array in runs])  # out of the window before the next read overwrites it
+            for index, name, array in runs:
+                pieces[name].append((index, array))
+    arrays = {}
+    for name, held in pieces.items():
+        ordered = [array for _, array in sorted(held, key=lambda item: item[0])]
+        arrays[name] = ordered[0] if len(ordered) == 1 else mx.concatenate(ordered, axis=-2)
+    mx.eval(list(arrays.values()))
     return arrays
 
 
@@ -190,16 +219,24 @@ def _nbytes(described: tuple[str, list[int]], positions: int) -> int:
     return math.prod(shape[:-2]) * positions * shape[-1] * DTYPE_BYTES[dtype]
 
 
-def _joined(parts: list[SavedPart | HeldPart], places: dict[tuple[int, str], tuple[int, int]],
-            device: mx.array | None, name: str, dtype: str, shape: list[int]) -> mx.array:
-    """Tensor ``name`` of the chain: its blocks side by side on the position axis, each a saved block's
-    staged bytes or a RAM block's array."""
-    pieces = []
-    for index, part in enumerate(parts):
-        if isinstance(part, HeldPart):
-            pieces.append(part.arrays[name])
-            continue
-        at, size = places[index, name]
-        staged = mx.view(device[at:at + size], MX_DTYPE[dtype])
-        pieces.append(staged.reshape(*shape[:-2], part.positions, shape[-1]))
-    return mx.concatenate(pieces, axis=-2) if len(pieces) > 1 else mx.contiguous(pieces[0])
+def _runs(parts: list[SavedPart | HeldPart], places: dict[tuple[int, str], tuple[int, int]], window: mx.array,
+          table: dict[str, tuple[str, list[int]]]) -> list[tuple[int, str, mx.array]]:
+    """The staged tensors of a window, as ``(first block, name, array)``: each tensor's pieces of
+    consecutive blocks joined side by side on the position axis, copied out of the window."""
+    by_name: dict[str, list[int]] = {}
+    for index, name in places:
+        by_name.setdefault(name, []).append(index)
+    runs = []
+    for name, indices in by_name.items():
+        dtype, shape = table[name]
+        indices.sort()
+        run: list[mx.array] = []
+        for k, index in enumerate(indices):
+            at, size = places[index, name]
+            staged = mx.view(window[at:at + size], MX_DTYPE[dtype])
+            run.append(staged.reshape(*shape[:-2], parts[index].positions, shape[-1]))
+            if k + 1 == len(indices) or indices[k + 1] != index + 1:  # the run ends here
+                first = index - len(run) + 1
+                runs.append((first, name, mx.concatenate(run, axis=-2) if len(run) > 1 else mx.array(run[0])))
+                run = []
+    return runs
