@@ -218,3 +218,11 @@ def test_a_staging_whose_copy_lands_elsewhere_is_refused_before_any_read(tmp_pat
     monkeypatch.setattr(staged_reads, "_refused", False)
     monkeypatch.setattr(staged_reads, "PinnedStaging", lambda driver: staged_reads.HostStaging())
     assert isinstance(staged_reads.cuda_staging(), staged_reads.HostStaging)  # a faithful one is taken
+
+
+def test_a_store_that_restores_onto_the_device_readies_its_staging_when_it_opens(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(staged_reads, "cuda_staging", lambda: asked.append(1))
+    DiskStore(tmp_path / "device", StoreIdentity("test", "none", "chain-reads"), to_device=True)
+    DiskStore(tmp_path / "host", StoreIdentity("test", "none", "chain-reads"), to_device=False)
+    assert asked == [1]  # once, by the store on the device: its first restore pays no pin and no window

@@ -181,6 +181,8 @@ class DiskStore:
         #: Whether a restore moves its arrays onto the CUDA device before handing them out
         #: (:mod:`~kvstate.interpreters.mlx.device_memory`); by default, where the device is a CUDA GPU.
         self.to_device = on_cuda() if to_device is None else to_device
+        if self.to_device:  # the staging of chain reads made and checked now, not at the first restore
+            staged_reads.cuda_staging()
         self.write_file = write_file or file_io.write_durably  # the storage seam: tests put a full disk here
         self.rejected_keep = rejected_keep
         self.root = Path(root)

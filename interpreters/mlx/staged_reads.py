@@ -137,13 +137,14 @@ def cuda_staging() -> PinnedStaging | None:
 def _copies_faithfully(staging: HostStaging) -> bool:
     """Whether bytes staged and copied in arrive where the device's arrays read them: checked once,
     with a known pattern, before any restore trusts the copy (a copy that lands elsewhere would
-    serve caches no hash has seen)."""
+    serve caches no hash has seen). The buffers are made at their full size here, so a restore that
+    stages no more than a window meets them ready: pinned, and on the device."""
     pattern = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)
     try:
         with staging.lock:
-            host = staging.host(len(pattern))
+            host = staging.host(max(WINDOW_BYTES, len(pattern)))
             host[:len(pattern)] = pattern
-            staging.window(len(pattern))
+            staging.window(max(WINDOW_BYTES, len(pattern)))
             window = staging.copy_in(host[:len(pattern)])
             return bool(mx.array_equal(window[:len(pattern)], mx.array(pattern)).item())
     except (OSError, RuntimeError, TypeError, ValueError):
