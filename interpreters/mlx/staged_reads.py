@@ -63,6 +63,11 @@ class HostStaging:
         mx.eval(window)
         return window
 
+    def close(self) -> None:
+        """Give back the host buffer and the window."""
+        with self.lock:
+            self._buffer, self._window = np.empty(0, dtype=np.uint8), None
+
     def copy_in(self, host: np.ndarray) -> mx.array:
         """The window, holding ``host``'s bytes from its start: written in place, as the driver writes
         the device's (what was made from the window before must have been copied out of it)."""
@@ -101,6 +106,11 @@ class PinnedStaging(HostStaging):
         self._driver.copy_in(self._address, host.ctypes.data, len(host))
         return self._window
 
+    def close(self) -> None:
+        with self.lock:
+            self._release()
+            self._window = None
+
     def _release(self) -> None:
         """Unpin and unmap the host buffer (a pinned range must be unpinned before its memory goes)."""
         if self._pinned is not None:
@@ -128,7 +138,7 @@ def cuda_staging() -> PinnedStaging | None:
         if _staging is None:
             staging = PinnedStaging(driver)
             if not _copies_faithfully(staging):
-                refused()
+                _refuse(staging)
                 return None
             _staging = staging
     return _staging
@@ -155,8 +165,17 @@ def refused() -> None:
     """The driver or MLX refused a pin, a copy or the device's memory (an error out of :func:`read_chain`
     other than :class:`PartRejected`): reads go the host's way from now on (a driver that refuses once
     refuses again)."""
-    global _refused
-    _refused = True
+    _refuse(_staging)
+
+
+def _refuse(staging: HostStaging | None) -> None:
+    global _refused, _staging
+    _refused, _staging = True, None
+    if staging is not None:
+        try:
+            staging.close()
+        except OSError:  # a driver that refused a copy may refuse the unpin too: the memory stays as it is
+            pass
 
 
 def read_chain(parts: list[SavedPart | HeldPart], staging: HostStaging, verify: bool = True) -> dict[str, mx.array]:
