@@ -14,8 +14,8 @@ The device's window is kept because MLX hands out a device array's address only 
 array into managed memory (a copy of every byte, at a fraction of the bus's pace): a fresh one each
 restore would cost that each time.
 
-The steps are the same with :class:`HostStaging` (reused plain buffers, copied into MLX arrays), the
-staging a machine without CUDA has: what the tests run there.
+The steps are the same with :class:`HostStaging` (a reused host buffer copied in place into a reused
+MLX array), the staging a machine without CUDA has: what the tests run there.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ WINDOW_BYTES = 256 << 20
 
 
 class HostStaging:
-    """Reused buffers whose bytes reach MLX as a copy (``mx.array``): the staging of a machine without
-    CUDA. One read at a time uses it (:attr:`lock`)."""
+    """A reused host buffer and a reused MLX array (the window) it is copied into in place: the staging
+    of a machine without CUDA. One read at a time uses it (:attr:`lock`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
