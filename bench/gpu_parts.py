@@ -629,20 +629,21 @@ def staged_restore(tokens: int = 5666, new: int = 347, geometry: str = "8b") -> 
         reader = staged_reads.read_chain
 
         def timed_read(*args, **kwargs):
-            """The chain read, split: its reads and hashes (from each window's buffers to its copy), the
-            driver's copies, the device window's memory, and the rest (the joins on the device)."""
+            """The chain read, split: its reads and hashes (from each window's host buffer to its copy),
+            the driver's copies, the device window's memory, and the rest (the copies out of the window
+            on the device)."""
             marks.clear()
             start = time.perf_counter()
             try:
                 return reader(*args, **kwargs)
             finally:
                 total = time.perf_counter() - start
-                ready = [end for step, _, end in marks if step == "window"]
+                ready = [end for step, _, end in marks if step == "host"]  # each window's reads start here
                 copies = [(begin, end) for step, begin, end in marks if step == "copy_in"]
                 spent["reads and hashes"] = sum(begin - at for at, (begin, _) in zip(ready, copies))
                 spent["copies"] = sum(end - begin for begin, end in copies)
                 spent["windows"] = sum(end - begin for step, begin, end in marks if step == "window")
-                spent["joins and the rest"] = total - sum(spent.values())
+                spent["copies out and the rest"] = total - sum(spent.values())
                 spent["read_chain"] = total
         staged_reads.read_chain = timed_read
     for i in range(8):

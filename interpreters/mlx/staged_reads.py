@@ -3,12 +3,12 @@
 On a CUDA build MLX's host arrays are managed memory whose pages are set up at first touch, so a
 chain read straight into them (:mod:`~kvstate.interpreters.mlx.chain_reads`) pays for fresh memory on
 every restore, then a migration to the device (bench/README.md, "Which step of a restore cannot reach
-the raw read's pace on the GPU host"). Here each saved block's tensors are read as they lie in its
-file (one contiguous read a tensor, no scatter) into a host buffer pinned once and reused, and hashed
-there while in cache; the driver copies it, at the bus's pace, into a window of device memory kept for
-the purpose (managed memory resident on the device, whose address the host may hand the driver), and
-the layers are joined on the device from there, a window of at most :data:`WINDOW_BYTES` at a time.
-Blocks already in RAM join as they are.
+the raw read's pace on the GPU host"). Here the chain is read the same way (each block's span of a
+tensor into its place in the joined tensor, hashed there while in cache), but into a host buffer
+pinned once and reused; the driver copies it, at the bus's pace, into a window of device memory kept
+for the purpose (managed memory resident on the device, whose address the host may hand the driver),
+and each tensor is copied out of the window on the device, some tensors of at most
+:data:`WINDOW_BYTES` together at a time. The spans of blocks already in RAM are written over it there.
 
 The device's window is kept because MLX hands out a device array's address only by first moving the
 array into managed memory (a copy of every byte, at a fraction of the bus's pace): a fresh one each
@@ -181,82 +181,63 @@ def _refuse(staging: HostStaging | None) -> None:
 def read_chain(parts: list[SavedPart | HeldPart], staging: HostStaging, verify: bool = True) -> dict[str, mx.array]:
     """The joined arrays of the chain ``parts``, first position first, where ``staging`` puts them;
     each saved block verified in the staging buffer unless not ``verify``. :class:`PartRejected` names
-    the first block that could not be read or failed its hash (nothing is returned then)."""
+    the first block that could not be read or failed its hash (nothing is returned then).
+
+    The staging holds each tensor as its joined array lies (every block's span read into its place,
+    as :func:`~kvstate.interpreters.mlx.chain_reads.read_chain` reads into host memory), some tensors a
+    window, so each becomes one array on the device in one copy; the spans of blocks held in RAM are
+    written over it there."""
     table = chain_reads.joined_table(parts)
-    tasks = [task for task in chain_reads.read_tasks(parts, table) if isinstance(parts[task[0]], SavedPart)]
-    windows: list[list[tuple[int, list[str]]]] = []  # consecutive tasks of at most WINDOW_BYTES (or one task)
+    starts = np.cumsum([0] + [part.positions for part in parts]).tolist()
+    held = [(index, part) for index, part in enumerate(parts) if isinstance(part, HeldPart)]
+    windows: list[list[str]] = []  # tensors, in table order, of at most WINDOW_BYTES together (or one tensor)
     size = WINDOW_BYTES
-    for index, names in tasks:
-        task_bytes = sum(_nbytes(table[name], parts[index].positions) for name in names)
-        if size + task_bytes > WINDOW_BYTES:
+    for name, described in table.items():
+        nbytes = _nbytes(described)
+        if size + nbytes > WINDOW_BYTES:
             windows.append([])
             size = 0
-        windows[-1].append((index, names))
-        size += task_bytes
-    # Each tensor's pieces in chain order: runs of consecutive saved blocks joined on the device, a window
-    # at a time, and the RAM blocks' arrays; joined once more where there is more than one.
-    pieces: dict[str, list[tuple[int, mx.array]]] = {name: [] for name in table}
-    for index, part in enumerate(parts):
-        if isinstance(part, HeldPart):
-            for name in table:
-                pieces[name].append((index, part.arrays[name]))
+        windows[-1].append(name)
+        size += nbytes
+    arrays: dict[str, mx.array] = {}
     with staging.lock:
-        for window in windows:
-            places: dict[tuple[int, str], tuple[int, int]] = {}
-            at = 0
-            for index, names in window:
-                for name in names:
-                    places[index, name] = (at, _nbytes(table[name], parts[index].positions))
-                    at += places[index, name][1]
-            host = staging.host(at)
-            staging.window(at)
+        for names in windows:
+            places, at = {}, 0
+            for name in names:
+                places[name] = at
+                at += _nbytes(table[name])
+            host, window = staging.host(at), set(names)
+            tasks = [(index, [name for name in task if name in window])
+                     for index, task in chain_reads.read_tasks(parts, table) if isinstance(parts[index], SavedPart)]
 
             def fill(task: tuple[int, list[str]]) -> PartRejected | None:
                 index, names = task
                 for name in names:
-                    start, length = places[index, name]
-                    failure = chain_reads.read_span(parts[index], name, [host[start:start + length]], verify)
+                    dtype, shape = table[name]
+                    rows, row = math.prod(shape[:-2]), shape[-1] * DTYPE_BYTES[dtype]
+                    joined = host[places[name]:places[name] + rows * shape[-2] * row].reshape(rows, shape[-2] * row)
+                    start, width = starts[index] * row, parts[index].positions * row
+                    failure = chain_reads.read_span(parts[index], name, [joined[k, start:start + width]
+                                                                         for k in range(rows)], verify)
                     if failure is not None:
                         return PartRejected(index, failure)
                 return None
-            failures = [f for f in framing.workers().map(fill, window) if f is not None]
+            failures = [f for f in framing.workers().map(fill, [task for task in tasks if task[1]]) if f is not None]
             if failures:
                 raise failures[0]  # the first block that failed, in chain order
-            runs = _runs(parts, places, staging.copy_in(host[:at]), table)
-            mx.eval([array for _, _, array in runs])  # out of the window before the next read overwrites it
-            for index, name, array in runs:
-                pieces[name].append((index, array))
-    arrays = {}
-    for name, held in pieces.items():
-        ordered = [array for _, array in sorted(held, key=lambda item: item[0])]
-        arrays[name] = ordered[0] if len(ordered) == 1 else mx.concatenate(ordered, axis=-2)
-    mx.eval(list(arrays.values()))
+            staging.window(at)
+            device = staging.copy_in(host[:at])
+            for name in names:
+                dtype, shape = table[name]
+                staged = mx.view(device[places[name]:places[name] + _nbytes(table[name])], MX_DTYPE[dtype])
+                joined = mx.array(staged.reshape(shape))  # a copy: the window is written again by the next
+                for index, part in held:
+                    joined[..., starts[index]:starts[index + 1], :] = part.arrays[name]
+                arrays[name] = joined
+            mx.eval([arrays[name] for name in names])  # out of the window before the next read overwrites it
     return arrays
 
 
-def _nbytes(described: tuple[str, list[int]], positions: int) -> int:
+def _nbytes(described: tuple[str, list[int]]) -> int:
     dtype, shape = described
-    return math.prod(shape[:-2]) * positions * shape[-1] * DTYPE_BYTES[dtype]
-
-
-def _runs(parts: list[SavedPart | HeldPart], places: dict[tuple[int, str], tuple[int, int]], window: mx.array,
-          table: dict[str, tuple[str, list[int]]]) -> list[tuple[int, str, mx.array]]:
-    """The staged tensors of a window, as ``(first block, name, array)``: each tensor's pieces of
-    consecutive blocks joined side by side on the position axis, copied out of the window."""
-    by_name: dict[str, list[int]] = {}
-    for index, name in places:
-        by_name.setdefault(name, []).append(index)
-    runs = []
-    for name, indices in by_name.items():
-        dtype, shape = table[name]
-        indices.sort()
-        run: list[mx.array] = []
-        for k, index in enumerate(indices):
-            at, size = places[index, name]
-            staged = mx.view(window[at:at + size], MX_DTYPE[dtype])
-            run.append(staged.reshape(*shape[:-2], parts[index].positions, shape[-1]))
-            if k + 1 == len(indices) or indices[k + 1] != index + 1:  # the run ends here
-                first = index - len(run) + 1
-                runs.append((first, name, mx.concatenate(run, axis=-2) if len(run) > 1 else mx.array(run[0])))
-                run = []
-    return runs
+    return math.prod(shape) * DTYPE_BYTES[dtype]
