@@ -98,13 +98,29 @@ def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[s
     table = joined_table(parts)
     arrays = unfilled_arrays(table)
     # Each array's bytes as rows of the position axis, written in place (the arrays are this read's alone).
-    rows = {}
-    for name, (dtype, shape) in table.items():
-        flat = np.asarray(mx.view(arrays[name], mx.uint8)) if arrays[name].size else np.empty(0, np.uint8)
-        rows[name] = flat.reshape(math.prod(shape[:-2]), shape[-2] * shape[-1] * DTYPE_BYTES[dtype])
-    starts = np.cumsum([0] + [part.positions for part in parts]).tolist()
+    rows = {name: as_rows(np.asarray(mx.view(arrays[name], mx.uint8)) if arrays[name].size
+                          else np.empty(0, np.uint8), table[name]) for name in table}
     held = {index: dict(zip(part.arrays, framing.bytes_of(list(part.arrays.values()))))
             for index, part in enumerate(parts) if isinstance(part, HeldPart)}  # MLX work stays on this thread
+    fill_spans(parts, table, rows, read_tasks(parts, table), verify, held)
+    return arrays
+
+
+def as_rows(flat: np.ndarray, described: tuple[str, list[int]]) -> np.ndarray:
+    """A joined tensor's bytes ``flat`` (of ``described``'s dtype and shape) as rows of its position axis:
+    each block's span of it is a column range."""
+    dtype, shape = described
+    return flat.reshape(math.prod(shape[:-2]), shape[-2] * shape[-1] * DTYPE_BYTES[dtype])
+
+
+def fill_spans(parts: list[SavedPart | HeldPart], table: dict[str, tuple[str, list[int]]], rows: dict[str, np.ndarray],
+               tasks: list[tuple[int, list[str]]], verify: bool, held: dict[int, dict[str, np.ndarray]] | None = None
+               ) -> None:
+    """Each task's spans (a block, some of its tensors) written into its place in ``rows`` (each joined
+    tensor's bytes as rows of the position axis), on a few threads: a saved block's read from its file
+    and verified there unless not ``verify``, a RAM block's copied from its bytes in ``held``.
+    :class:`PartRejected` names the first block, in chain order, that could not be read or failed."""
+    starts = np.cumsum([0] + [part.positions for part in parts]).tolist()
 
     def fill(task: tuple[int, list[str]]) -> PartRejected | None:
         index, names = task
@@ -121,10 +137,9 @@ def read_chain(parts: list[SavedPart | HeldPart], verify: bool = True) -> dict[s
             if failure is not None:
                 return PartRejected(index, failure)
         return None
-    failures = [f for f in framing.workers().map(fill, read_tasks(parts, table)) if f is not None]
+    failures = [f for f in framing.workers().map(fill, tasks) if f is not None]
     if failures:
         raise failures[0]  # the first block that failed, in chain order
-    return arrays
 
 
 #: About the bytes one task of a chain read reads: tasks of a block's tensors this size keep the

@@ -27,8 +27,8 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from kvstate.interpreters.mlx import chain_reads, device_memory, framing
-from kvstate.interpreters.mlx.chain_reads import HeldPart, PartRejected, SavedPart
+from kvstate.interpreters.mlx import chain_reads, device_memory
+from kvstate.interpreters.mlx.chain_reads import HeldPart, SavedPart
 from kvstate.interpreters.mlx.framing import DTYPE_BYTES, MX_DTYPE
 
 #: The most bytes a read stages at once (a chain larger than this is read a window at a time): the size
@@ -163,8 +163,8 @@ def _copies_faithfully(staging: HostStaging) -> bool:
 
 def refused() -> None:
     """The driver or MLX refused a pin, a copy or the device's memory (an error out of :func:`read_chain`
-    other than :class:`PartRejected`): reads go the host's way from now on (a driver that refuses once
-    refuses again)."""
+    other than :class:`~kvstate.interpreters.mlx.chain_reads.PartRejected`): reads go the host's way
+    from now on (a driver that refuses once refuses again)."""
     _refuse(_staging)
 
 
@@ -180,15 +180,16 @@ def _refuse(staging: HostStaging | None) -> None:
 
 def read_chain(parts: list[SavedPart | HeldPart], staging: HostStaging, verify: bool = True) -> dict[str, mx.array]:
     """The joined arrays of the chain ``parts``, first position first, where ``staging`` puts them;
-    each saved block verified in the staging buffer unless not ``verify``. :class:`PartRejected` names
-    the first block that could not be read or failed its hash (nothing is returned then).
+    each saved block verified in the staging buffer unless not ``verify``.
+    :class:`~kvstate.interpreters.mlx.chain_reads.PartRejected` names the first block that could not be
+    read or failed its hash (nothing is returned then).
 
     The staging holds each tensor as its joined array lies (every block's span read into its place,
     as :func:`~kvstate.interpreters.mlx.chain_reads.read_chain` reads into host memory), some tensors a
     window, so each becomes one array on the device in one copy; the spans of blocks held in RAM are
     written over it there."""
     table = chain_reads.joined_table(parts)
-    starts = np.cumsum([0] + [part.positions for part in parts]).tolist()
+    starts = np.cumsum([0] + [part.positions for part in parts]).tolist()  # where each block's span starts
     held = [(index, part) for index, part in enumerate(parts) if isinstance(part, HeldPart)]
     windows: list[list[str]] = []  # tensors, in table order, of at most WINDOW_BYTES together (or one tensor)
     size = WINDOW_BYTES
@@ -199,6 +200,7 @@ def read_chain(parts: list[SavedPart | HeldPart], staging: HostStaging, verify: 
             size = 0
         windows[-1].append(name)
         size += nbytes
+    tasks = [task for task in chain_reads.read_tasks(parts, table) if isinstance(parts[task[0]], SavedPart)]
     arrays: dict[str, mx.array] = {}
     with staging.lock:
         for names in windows:
@@ -207,24 +209,11 @@ def read_chain(parts: list[SavedPart | HeldPart], staging: HostStaging, verify: 
                 places[name] = at
                 at += _nbytes(table[name])
             host, window = staging.host(at), set(names)
-            tasks = [(index, [name for name in task if name in window])
-                     for index, task in chain_reads.read_tasks(parts, table) if isinstance(parts[index], SavedPart)]
-
-            def fill(task: tuple[int, list[str]]) -> PartRejected | None:
-                index, names = task
-                for name in names:
-                    dtype, shape = table[name]
-                    rows, row = math.prod(shape[:-2]), shape[-1] * DTYPE_BYTES[dtype]
-                    joined = host[places[name]:places[name] + rows * shape[-2] * row].reshape(rows, shape[-2] * row)
-                    start, width = starts[index] * row, parts[index].positions * row
-                    failure = chain_reads.read_span(parts[index], name, [joined[k, start:start + width]
-                                                                         for k in range(rows)], verify)
-                    if failure is not None:
-                        return PartRejected(index, failure)
-                return None
-            failures = [f for f in framing.workers().map(fill, [task for task in tasks if task[1]]) if f is not None]
-            if failures:
-                raise failures[0]  # the first block that failed, in chain order
+            # Each of the window's tensors in the host buffer as its joined array lies.
+            rows = {name: chain_reads.as_rows(host[places[name]:places[name] + _nbytes(table[name])], table[name])
+                    for name in names}
+            in_window = [(index, [name for name in task if name in window]) for index, task in tasks]
+            chain_reads.fill_spans(parts, table, rows, [task for task in in_window if task[1]], verify)
             staging.window(at)
             device = staging.copy_in(host[:at])
             for name in names:
